@@ -1,0 +1,51 @@
+"""shmcache: a node-wide, crash-safe, shared-memory cache for multimodal encoder outputs."""
+
+from shmcache.cache import EmbeddingCache, Reservation
+from shmcache.config import CacheConfig
+from shmcache.errors import (
+    CacheClosed,
+    CapacityError,
+    ComputeFailed,
+    ComputeTimeout,
+    ConfigTypeError,
+    CorruptSegment,
+    CorruptValue,
+    InvalidConfig,
+    InvalidKey,
+    LayoutMismatch,
+    ReservationLost,
+    ShmCacheError,
+    UnsupportedValue,
+    ViewMutated,
+)
+from shmcache.keys import EmbeddingCacheKey
+from shmcache.namespace import destroy_namespace, list_namespaces
+from shmcache.preprocessing import EncoderPreprocessingConfig
+from shmcache.values import HiddenStatePrefix
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CacheClosed",
+    "CacheConfig",
+    "CapacityError",
+    "ComputeFailed",
+    "ComputeTimeout",
+    "ConfigTypeError",
+    "CorruptSegment",
+    "CorruptValue",
+    "EmbeddingCache",
+    "EmbeddingCacheKey",
+    "EncoderPreprocessingConfig",
+    "HiddenStatePrefix",
+    "InvalidConfig",
+    "InvalidKey",
+    "LayoutMismatch",
+    "Reservation",
+    "ReservationLost",
+    "ShmCacheError",
+    "UnsupportedValue",
+    "ViewMutated",
+    "destroy_namespace",
+    "list_namespaces",
+]

@@ -1,0 +1,94 @@
+"""`CacheConfig`: how a process opens a node cache, validated at construction."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from shmcache.errors import ConfigTypeError, InvalidConfig
+from shmcache.keys import HASH_ALGORITHMS
+
+__all__ = ["CacheConfig"]
+
+_NAMESPACE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,63}$")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Settings of one process's view of a node cache.
+
+    Settings that shape the shared layout (capacity, entries, ways, clients, pins, TTL, hash
+    algorithm) must match every other process attached to the namespace, or attaching raises
+    `LayoutMismatch`. The rest (timeouts, return mode, debug checks) are per process.
+    """
+
+    enable_embedding_cache: bool = False
+    namespace: str = "default"
+    capacity_bytes: int = 1 << 30
+    max_entries: int = 4096
+    ttl_s: float | None = 3600.0
+    compute_timeout_s: float = 300.0
+    lock_timeout_s: float = 10.0
+    return_mode: Literal["view", "clone"] = "view"
+    debug_check_views: bool = False
+    hash_algorithm: Literal["xxh3_128", "blake3", "sha256"] = "xxh3_128"
+    tenant_salt: str | None = None
+    ways: int = 16
+    max_clients: int = 64
+    max_pins_per_process: int = 4096
+    mode: int = 0o600
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            _check_type(field.name, str(field.type), getattr(self, field.name))
+        _require(bool(_NAMESPACE.match(self.namespace)), "namespace must match [A-Za-z0-9_.-]{1,64}")
+        _require(self.capacity_bytes >= 1 << 20, "capacity_bytes must be at least 1 MiB")
+        _require(self.ways >= 1 and self.ways <= 64, "ways must be in 1..64")
+        _require(self.max_entries >= self.ways, "max_entries must be at least ways")
+        _require(self.max_entries <= 16384, "max_entries must be at most 16384")
+        _require(1 <= self.max_clients <= 1024, "max_clients must be in 1..1024")
+        _require(16 <= self.max_pins_per_process <= 65536, "max_pins_per_process must be in 16..65536")
+        _require(
+            self.ttl_s is None or (self.ttl_s > 0 and math.isfinite(self.ttl_s)), "ttl_s must be > 0 or None"
+        )
+        _require(self.compute_timeout_s > 0, "compute_timeout_s must be > 0")
+        _require(self.lock_timeout_s > 0, "lock_timeout_s must be > 0")
+        _require(self.return_mode in ("view", "clone"), "return_mode must be 'view' or 'clone'")
+        _require(self.hash_algorithm in HASH_ALGORITHMS, f"hash_algorithm must be one of {HASH_ALGORITHMS}")
+        _require(self.mode & 0o777 == self.mode and self.mode & 0o600 == 0o600, "mode must include 0o600")
+
+    @property
+    def n_stripes(self) -> int:
+        """Number of stripes (sets of `ways` slots); max_entries is rounded down to a multiple."""
+        return self.max_entries // self.ways
+
+    @classmethod
+    def from_stage_config(cls, stage: dict[str, Any]) -> CacheConfig:
+        """Build from a vLLM-Omni stage-config mapping (`enable_embedding_cache` + these fields)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(stage) - names)
+        if unknown:
+            raise InvalidConfig(f"unknown embedding-cache settings: {', '.join(unknown)}")
+        return cls(**stage)
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise InvalidConfig(message)
+
+
+def _check_type(name: str, annotation: str, value: Any) -> None:
+    accepted: dict[str, tuple[type, ...]] = {
+        "bool": (bool,),
+        "int": (int,),
+        "str": (str,),
+        "float": (int, float),
+        "float | None": (int, float, type(None)),
+        "str | None": (str, type(None)),
+    }
+    kinds = accepted.get(annotation, (str,))  # Literal[...] fields are strings
+    if (bool not in kinds and isinstance(value, bool)) or not isinstance(value, kinds):
+        raise ConfigTypeError(f"{name} must be {annotation}, got {type(value).__name__}")

@@ -1,0 +1,79 @@
+"""Typed errors. Every error derives from `ShmCacheError` and from the matching builtin.
+
+All of them pickle (they carry only a message), so a worker process can send one back to its parent.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CacheClosed",
+    "CapacityError",
+    "ComputeFailed",
+    "ComputeTimeout",
+    "ConfigTypeError",
+    "CorruptSegment",
+    "CorruptValue",
+    "InvalidConfig",
+    "InvalidKey",
+    "LayoutMismatch",
+    "ReservationLost",
+    "ShmCacheError",
+    "UnsupportedValue",
+    "ViewMutated",
+]
+
+
+class ShmCacheError(Exception):
+    """Base class of every error shmcache raises on purpose."""
+
+
+class ConfigTypeError(ShmCacheError, TypeError):
+    """A configuration field has the wrong type; the message names the field."""
+
+
+class InvalidConfig(ShmCacheError, ValueError):
+    """A configuration field has a value outside its allowed range; the message names the field."""
+
+
+class InvalidKey(ShmCacheError, ValueError):
+    """A key does not fit this cache (for example it was made with another hash algorithm)."""
+
+
+class UnsupportedValue(ShmCacheError, TypeError):
+    """A value of a type or dtype the value format cannot store without pickling."""
+
+
+class CorruptValue(ShmCacheError, ValueError):
+    """Encoded value bytes are truncated or malformed."""
+
+
+class CapacityError(ShmCacheError, MemoryError):
+    """Not enough room: value larger than the cache, shared memory full, or all slots referenced."""
+
+
+class LayoutMismatch(ShmCacheError, ValueError):
+    """An existing namespace was created with another layout version or other settings."""
+
+
+class CorruptSegment(ShmCacheError, RuntimeError):
+    """The shared index fails its integrity checks (bad magic, CRC or bounds)."""
+
+
+class ComputeTimeout(ShmCacheError, TimeoutError):
+    """Waiting for another process's compute of the same key took longer than compute_timeout_s."""
+
+
+class ComputeFailed(ShmCacheError, RuntimeError):
+    """The elected computer of a key failed; the message names the cause it reported."""
+
+
+class ReservationLost(ShmCacheError, RuntimeError):
+    """A commit was fenced off: the reservation was abandoned, committed, or taken over."""
+
+
+class ViewMutated(ShmCacheError, RuntimeError):
+    """Debug mode found that a returned zero-copy view was written to; the entry was dropped."""
+
+
+class CacheClosed(ShmCacheError, RuntimeError):
+    """The cache was closed, or is used in a process it was not opened in (after fork)."""

@@ -1,0 +1,143 @@
+"""Value format: bit-identical round trips for every type and dtype, zero-copy views, typed errors."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shmcache import CorruptValue, HiddenStatePrefix, UnsupportedValue
+from shmcache.dtypes import _torch_dtypes
+from shmcache.values import ALIGNMENT, decode, encode, plan
+
+
+def _bits(t: torch.Tensor) -> bytes:
+    t = t.contiguous()
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def _random_tensor(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    raw = torch.randint(0, 256, (int(np.prod(shape)) * dtype.itemsize,), dtype=torch.uint8)
+    return raw.view(dtype).reshape(shape)
+
+
+ALL_TORCH_DTYPES = sorted(_torch_dtypes().items())
+
+
+@pytest.mark.parametrize(("name", "dtype"), ALL_TORCH_DTYPES, ids=[n for n, _ in ALL_TORCH_DTYPES])
+@pytest.mark.parametrize("shape", [(), (0,), (7,), (3, 5), (2, 3, 4)])
+def test_every_torch_dtype_round_trips_bit_identically(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    original = _random_tensor(dtype, shape)
+    for value in (original, original.t() if original.dim() == 2 else original):
+        out = decode(encode(value))
+        assert isinstance(out, torch.Tensor)
+        assert out.dtype == dtype and tuple(out.shape) == tuple(value.shape)
+        assert _bits(out) == _bits(value)  # NaN payloads and -0.0 included
+
+
+def test_shell_dtypes_are_rejected_not_pickled() -> None:
+    for name in ("qint8", "quint8", "int4", "uint1"):
+        dtype = getattr(torch, name, None)
+        if dtype is None:
+            continue
+        with pytest.raises(UnsupportedValue):
+            from shmcache.dtypes import torch_dtype_name
+
+            torch_dtype_name(dtype)
+
+
+@pytest.mark.parametrize("np_dtype", ["bool", "int8", "uint16", "int64", "float16", "float32", "float64", "complex64", "complex128", ">f8"])
+def test_numpy_arrays_round_trip_and_views_are_read_only(np_dtype: str) -> None:
+    rng = np.random.default_rng(0)
+    array = rng.integers(0, 255, size=(4, 6)).astype(np_dtype)
+    out = decode(encode(array[:, ::2]))
+    assert isinstance(out, np.ndarray)
+    np.testing.assert_array_equal(out, array[:, ::2])
+    assert out.dtype == np.dtype(np_dtype).newbyteorder("=")
+    assert not out.flags.writeable
+    with pytest.raises(ValueError):
+        out[0, 0] = 1
+
+
+def test_token_ids_hidden_state_prefix_and_dicts() -> None:
+    tokens = [0, 1, -5, 2**62, 151643]
+    assert decode(encode(tokens)) == tokens
+    prefix = HiddenStatePrefix(tokens, torch.randn(5, 8).to(torch.bfloat16), {"voice": "alice", "sr": 24000, "ok": True, "x": None})
+    out = decode(encode(prefix))
+    assert isinstance(out, HiddenStatePrefix)
+    assert out.token_ids == tokens and out.metadata == prefix.metadata
+    assert _bits(out.hidden_states) == _bits(prefix.hidden_states)
+    outputs = {"pooled": torch.randn(1, 1024), "patches": torch.randn(256, 1024).half(), "mask": torch.ones(256, dtype=torch.bool)}
+    got = decode(encode(outputs))
+    assert list(got) == list(outputs)
+    assert all(_bits(got[k]) == _bits(outputs[k]) for k in outputs)
+
+
+def test_payloads_are_aligned_and_decode_is_zero_copy() -> None:
+    value = {"a": torch.randn(3), "b": torch.randn(5, 7)}
+    encoded = plan(value)
+    assert all(offset % ALIGNMENT == 0 for offset, _ in encoded.payloads)
+    buffer = bytearray(encoded.to_bytes())
+    out = decode(memoryview(buffer))
+    base = np.frombuffer(buffer, dtype=np.uint8).ctypes.data
+    for tensor in out.values():
+        assert base <= tensor.data_ptr() < base + len(buffer)
+        assert (tensor.data_ptr() - base) % ALIGNMENT == 0
+    copied = decode(memoryview(buffer), copy=True)
+    assert not (base <= copied["a"].data_ptr() < base + len(buffer))
+
+
+def test_unsupported_values_raise_typed_errors() -> None:
+    for bad in ("text", 3, {"a": "b"}, {1: torch.ones(1)}, [1.5], [True], [2**64], object(), np.array(["x"])):
+        with pytest.raises(UnsupportedValue):
+            encode(bad)
+    with pytest.raises(UnsupportedValue):
+        encode(HiddenStatePrefix([1], torch.ones(1), {"f": float("nan")}))
+    with pytest.raises(UnsupportedValue):
+        encode(HiddenStatePrefix([1], torch.ones(1), {"nested": {"a": 1}}))  # type: ignore[dict-item]
+
+
+def test_corrupted_headers_raise_corrupt_value() -> None:
+    good = bytearray(encode({"a": torch.randn(4, 4), "b": torch.arange(3)}))
+    cases = {
+        "magic": lambda b: b.__setitem__(slice(0, 4), b"XXXX"),
+        "version": lambda b: struct.pack_into("<H", b, 4, 99),
+        "kind": lambda b: struct.pack_into("<B", b, 6, 42),
+        "n_arrays": lambda b: struct.pack_into("<I", b, 8, 1000),
+        "total": lambda b: struct.pack_into("<Q", b, 16, 1 << 40),
+        "descriptors_len": lambda b: struct.pack_into("<I", b, 24, 1 << 20),
+        "array offset": lambda b: struct.pack_into("<Q", b, 36, 3),
+        "array nbytes": lambda b: struct.pack_into("<Q", b, 44, 1 << 30),
+        "ndim": lambda b: struct.pack_into("<B", b, 34, 60),
+        "dtype": lambda b: b.__setitem__(slice(68, 75), b"float99"),
+    }
+    for name, damage in cases.items():
+        broken = bytearray(good)
+        damage(broken)
+        with pytest.raises(CorruptValue):
+            decode(bytes(broken))
+            pytest.fail(f"damaged {name} decoded")
+    for cut in (0, 10, 31, 32, 100, len(good) - 1):
+        with pytest.raises(CorruptValue):
+            decode(bytes(good[:cut]))
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.binary(max_size=600), st.integers(min_value=0, max_value=400), st.integers(min_value=0, max_value=255))
+def test_fuzzed_bytes_never_crash(noise: bytes, position: int, byte: int) -> None:
+    good = bytearray(encode(HiddenStatePrefix([1, 2, 3], torch.randn(2, 3), {"k": "v"})))
+    for candidate in (noise, bytes(good[:position]) + noise, _flip(good, position, byte)):
+        try:
+            decode(candidate)
+        except CorruptValue:
+            pass
+
+
+def _flip(buffer: bytearray, position: int, byte: int) -> bytes:
+    out = bytearray(buffer)
+    out[position % len(out)] = byte
+    return bytes(out)

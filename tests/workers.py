@@ -1,0 +1,153 @@
+"""Functions that run in spawned worker processes (importable by the spawn start method)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shmcache import CacheConfig, EmbeddingCache, EmbeddingCacheKey
+from tests.conftest import make_pconfig
+
+
+def key_of(name: str) -> EmbeddingCacheKey:
+    return EmbeddingCacheKey.from_raw_bytes(name.encode(), make_pconfig(), modality="image")
+
+
+def expected_value(name: str, numel: int = 4096) -> torch.Tensor:
+    """The deterministic 'encoder output' of input `name`."""
+    generator = torch.Generator().manual_seed(int.from_bytes(key_of(name).digest[:4], "little"))
+    return torch.randn(numel, generator=generator).to(torch.bfloat16)
+
+
+def fingerprint(value: torch.Tensor) -> bytes:
+    return bytes(value.contiguous().view(torch.uint8).numpy().tobytes())
+
+
+def _mark(path: Path, text: str) -> None:
+    with open(path, "a") as f:
+        f.write(text + "\n")
+
+
+def exactly_once(config: CacheConfig, name: str, threads: int, log: str, start: Any, results: Any) -> None:
+    """Threads of one process all ask for the same key at once; each reports what it got."""
+    with EmbeddingCache(config) as cache:
+
+        def compute() -> torch.Tensor:
+            _mark(Path(log), f"{os.getpid()}:{threading.get_ident()}")
+            time.sleep(0.5)
+            return expected_value(name)
+
+        def ask() -> None:
+            try:
+                value = cache.get_or_compute(key_of(name), compute, request_id=f"r{threading.get_ident()}")
+                results.put(("ok", fingerprint(value)))
+            except Exception as exc:  # reported to the parent
+                results.put(("error", repr(exc)))
+
+        start.wait()
+        workers = [threading.Thread(target=ask) for _ in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+
+
+def compute_forever(config: CacheConfig, name: str, started: str) -> None:
+    """Reserve a key and hang in its compute (the parent SIGKILLs us there)."""
+    cache = EmbeddingCache(config)
+
+    def compute() -> torch.Tensor:
+        Path(started).touch()
+        time.sleep(3600)
+        raise AssertionError("unreachable")
+
+    cache.get_or_compute(key_of(name), compute)
+
+
+def compute_then_fail(config: CacheConfig, name: str, started: str, go: str) -> None:
+    """Reserve a key, wait for the file `go`, then fail the compute."""
+    with EmbeddingCache(config) as cache:
+
+        def compute() -> torch.Tensor:
+            Path(started).touch()
+            while not Path(go).exists():
+                time.sleep(0.01)
+            raise ValueError("decoder exploded on frame 17")
+
+        try:
+            cache.get_or_compute(key_of(name), compute)
+        except ValueError:
+            pass
+
+
+def get_or_compute_report(config: CacheConfig, name: str, results: Any) -> None:
+    """get_or_compute one key and report (outcome, fingerprint or error text, takeovers)."""
+    with EmbeddingCache(config) as cache:
+        try:
+            value = cache.get_or_compute(key_of(name), lambda: expected_value(name))
+            results.put(("ok", fingerprint(value), cache.stats()["takeovers"]))
+        except Exception as exc:
+            results.put((type(exc).__name__, str(exc), 0))
+
+
+def put_value(config: CacheConfig, name: str, numel: int, done: str) -> None:
+    """Store one value, signal, and stay attached until killed or told to stop."""
+    cache = EmbeddingCache(config)
+    cache.put(key_of(name), expected_value(name, numel))
+    Path(done).touch()
+    while not Path(done + ".stop").exists():
+        time.sleep(0.01)
+    cache.close()
+
+
+def hold_view_and_ref(config: CacheConfig, name: str, ready: str) -> None:
+    """Take a view and a request reference, then wait to be SIGKILLed."""
+    cache = EmbeddingCache(config)
+    view = cache.get(key_of(name), request_id="held")
+    assert view is not None
+    Path(ready).touch()
+    time.sleep(3600)
+
+
+def die_inside_stripe_section(config: CacheConfig, name: str) -> None:
+    """Enter the key's stripe section, tear its sealed slot record, and SIGKILL ourselves."""
+    cache = EmbeddingCache(config)
+    node = cache._node
+    from shmcache.node import needle_of
+
+    needle = needle_of(key_of(name))
+    stripe = node.stripe_of(needle)
+    section = node.stripe_section(stripe)
+    section.__enter__()
+    slot = next(node._find(stripe, needle))
+    node.slots["offset"][slot] = 4096  # a half-done update: the crc no longer matches
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def die_inside_node_section(config: CacheConfig) -> None:
+    cache = EmbeddingCache(config)
+    cache._node.node_section().__enter__()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def attach_and_report(config: CacheConfig, start: Any, results: Any) -> None:
+    start.wait()
+    try:
+        with EmbeddingCache(config) as cache:
+            cache.put(key_of(f"p{os.getpid()}"), expected_value("x", 16))
+            results.put(("ok", cache.stats()["clients"]))
+    except Exception as exc:
+        results.put((type(exc).__name__, str(exc)))
+
+
+def attach_and_die(config: CacheConfig, ready: str) -> None:
+    cache = EmbeddingCache(config)
+    cache.put(key_of("orphan"), expected_value("orphan", 64))
+    Path(ready).touch()
+    time.sleep(3600)
