@@ -559,7 +559,9 @@ class EmbeddingCache:
         if self._destroyed:
             return
         try:
-            with bootstrap_lock(self._names, self.config.mode, self.config.lock_timeout_s, create=False) as held:
+            with bootstrap_lock(
+                self._names, self.config.mode, self.config.lock_timeout_s, create=False
+            ) as held:
                 if held:  # else the namespace was destroyed: nothing of ours is left
                     node.detach_client()
                     if not node.any_other_live():

@@ -110,6 +110,20 @@ def needle_of(key: EmbeddingCacheKey) -> bytes:
     return KEY_HEAD.pack(HASH_ALGORITHMS.index(key.algorithm), len(digest), 0, 0) + digest.ljust(32, b"\0")
 
 
+def first_fit(starts: np.ndarray, ends: np.ndarray, need: int, capacity: int) -> int | None:
+    """The lowest offset of `need` free bytes in [0, capacity) outside every [start, end).
+
+    The extents may overlap or be empty (a racy snapshot holds half-freed records): gaps start at
+    the running maximum of the ends, so no listed extent is ever handed out again.
+    """
+    order = np.argsort(starts, kind="stable")
+    starts, ends = starts[order], ends[order]
+    gap_starts = np.concatenate(([0], np.maximum.accumulate(ends))) if ends.size else np.zeros(1, np.int64)
+    gap_ends = np.concatenate((starts, [capacity]))
+    fits = np.nonzero(gap_ends - gap_starts >= need)[0]
+    return int(gap_starts[fits[0]]) if fits.size else None
+
+
 def _start_ticks(pid: int) -> int:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
@@ -541,16 +555,10 @@ class NodeIndex:
             return offset
 
     def _gap(self, need: int) -> int | None:
-        slots = self.slots
-        used = (slots["state"] != EMPTY) & (slots["size"] > 0)
-        starts = slots["offset"][used].astype(np.int64)
-        ends = starts + slots["size"][used].astype(np.int64)
-        order = np.argsort(starts, kind="stable")
-        starts, ends = starts[order], ends[order]
-        gap_starts = np.concatenate(([0], ends))
-        gap_ends = np.concatenate((starts, [self.capacity]))
-        fits = np.nonzero(gap_ends - gap_starts >= need)[0]
-        return int(gap_starts[fits[0]]) if fits.size else None
+        snapshot = self.slots.copy()  # one pass: others may free extents while we look
+        used = (snapshot["state"] != EMPTY) & (snapshot["size"] > 0)
+        starts = snapshot["offset"][used].astype(np.int64)
+        return first_fit(starts, starts + snapshot["size"][used].astype(np.int64), need, self.capacity)
 
     def _evict_one(self) -> bool:
         """Evict the least recently used unreferenced entry (expired ones first). False if none."""
@@ -615,19 +623,25 @@ class NodeIndex:
 
     # ----------------------------------------------------------------- clients
     def attach_client(self) -> None:
-        """Claim a client record (under the node lock), reaping dead clients first."""
+        """Claim a client record (under the node lock), then reap dead clients."""
         with self.node_section():
-            self._reap_dead()
-            for row in range(self.layout.clients):
-                if self.client_states[row] == 0 and self.sems.try_acquire(self.layout.client_sem(row)):
-                    off = self.layout.client_off(row)
-                    self.idx[off : off + self.layout.client_size] = bytes(self.layout.client_size)
-                    pid = os.getpid()
-                    CLIENT_HEAD.pack_into(self.idx, off, 1, pid, _start_ticks(pid), time.time())
-                    self.client = row
-                    self._counters = self.idx[off + C_COUNTERS : off + C_COUNTERS + 8 * N_COUNTERS].cast("Q")
-                    return
+            for attempt in range(2):
+                if attempt:
+                    self._reap_dead()  # every record taken: some may belong to the dead
+                for row in range(self.layout.clients):
+                    if self.client_states[row] == 0 and self.sems.try_acquire(self.layout.client_sem(row)):
+                        self._claim_row(row)
+                        self._reap_dead()
+                        return
         raise CapacityError(f"all {self.layout.clients} client records are in use (max_clients)")
+
+    def _claim_row(self, row: int) -> None:
+        off = self.layout.client_off(row)
+        self.idx[off : off + self.layout.client_size] = bytes(self.layout.client_size)
+        pid = os.getpid()
+        CLIENT_HEAD.pack_into(self.idx, off, 1, pid, _start_ticks(pid), time.time())
+        self.client = row
+        self._counters = self.idx[off + C_COUNTERS : off + C_COUNTERS + 8 * N_COUNTERS].cast("Q")
 
     def detach_client(self) -> None:
         """Release every pin of this client, fold its counters, free its record."""
@@ -675,10 +689,16 @@ class NodeIndex:
         return bool(dead.size)
 
     def reap(self) -> int:
-        """Reap dead clients now; returns how many were reaped."""
+        """Reap dead clients and free reservations whose owner died; returns clients reaped."""
         with self.node_section():
             before = int((self.client_states == 1).sum())
             self._reap_dead()
+            for found in np.nonzero(self.slots["state"] == RESERVED)[0]:
+                slot = int(found)
+                with self.stripe_section(slot // self.layout.ways):
+                    fields = self._read_slot(slot)
+                    if fields and fields[0] == RESERVED and self.sems.value(self.layout.slot_sem(slot)) == 0:
+                        self._write_slot(slot, EMPTY, -1, fields[2], 0, 0, 0.0, 0)
             return before - int((self.client_states == 1).sum())
 
     def any_other_live(self) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
@@ -32,10 +33,8 @@ def spawn(target: Callable[..., Any], *args: Any) -> mp.process.BaseProcess:
 def kill(proc: mp.process.BaseProcess) -> None:
     """SIGKILL a process and reap it."""
     assert proc.pid is not None
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.kill(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     proc.join(10)
 
 

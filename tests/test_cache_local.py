@@ -45,7 +45,9 @@ def test_disabled_cache_is_a_pass_through(namespace: str, pconfig: EncoderPrepro
     calls = []
     with EmbeddingCache(CacheConfig(namespace=namespace)) as cache:
         for _ in range(3):
-            assert cache.get_or_compute(key(pconfig, "a"), lambda: calls.append(1) or torch.ones(2)).sum() == 2
+            assert (
+                cache.get_or_compute(key(pconfig, "a"), lambda: calls.append(1) or torch.ones(2)).sum() == 2
+            )
         assert cache.get(key(pconfig, "a")) is None
         cache.put(key(pconfig, "a"), torch.ones(2))
         assert cache.stats() == {} and cache.cleanup_request("r") == 0
@@ -89,12 +91,16 @@ def test_every_value_type_through_the_cache(config: CacheConfig, pconfig: Encode
             elif name == "tokens":
                 assert got == value
             elif name == "prefix":
-                assert got.token_ids == value.token_ids and torch.equal(got.hidden_states, value.hidden_states)
+                assert got.token_ids == value.token_ids and torch.equal(
+                    got.hidden_states, value.hidden_states
+                )
             else:
                 assert all(torch.equal(got[n], value[n]) for n in value)
 
 
-def test_hits_are_zero_copy_views_of_the_shared_arena(config: CacheConfig, pconfig: EncoderPreprocessingConfig) -> None:
+def test_hits_are_zero_copy_views_of_the_shared_arena(
+    config: CacheConfig, pconfig: EncoderPreprocessingConfig
+) -> None:
     with EmbeddingCache(config) as cache:
         cache.put(key(pconfig, "big"), torch.randn(1024, 256))
         first = cache.get(key(pconfig, "big"))
@@ -131,10 +137,17 @@ def test_debug_mode_reports_a_mutated_view(config: CacheConfig, pconfig: Encoder
         assert cache.stats()["corrupt_records"] >= 1
 
 
-def test_request_refs_survive_ttl_and_pressure_until_cleanup(namespace: str, pconfig: EncoderPreprocessingConfig) -> None:
+def test_request_refs_survive_ttl_and_pressure_until_cleanup(
+    namespace: str, pconfig: EncoderPreprocessingConfig
+) -> None:
     config = CacheConfig(
-        enable_embedding_cache=True, namespace=namespace, capacity_bytes=1 << 20, max_entries=16, ways=16,
-        ttl_s=0.2, return_mode="clone",
+        enable_embedding_cache=True,
+        namespace=namespace,
+        capacity_bytes=1 << 20,
+        max_entries=16,
+        ways=16,
+        ttl_s=0.2,
+        return_mode="clone",
     )
     with EmbeddingCache(config) as cache:
         kept = key(pconfig, "voice-ref")
@@ -154,7 +167,11 @@ def test_request_refs_survive_ttl_and_pressure_until_cleanup(namespace: str, pco
 
 def test_referenced_entry_is_not_evicted_by_lru(namespace: str, pconfig: EncoderPreprocessingConfig) -> None:
     config = CacheConfig(
-        enable_embedding_cache=True, namespace=namespace, capacity_bytes=1 << 20, max_entries=16, ways=16,
+        enable_embedding_cache=True,
+        namespace=namespace,
+        capacity_bytes=1 << 20,
+        max_entries=16,
+        ways=16,
         return_mode="clone",
     )
     with EmbeddingCache(config) as cache:
@@ -171,7 +188,14 @@ def test_referenced_entry_is_not_evicted_by_lru(namespace: str, pconfig: Encoder
 
 
 def test_lru_order_by_entries(namespace: str, pconfig: EncoderPreprocessingConfig) -> None:
-    config = CacheConfig(enable_embedding_cache=True, namespace=namespace, capacity_bytes=8 << 20, max_entries=4, ways=4, return_mode="clone")
+    config = CacheConfig(
+        enable_embedding_cache=True,
+        namespace=namespace,
+        capacity_bytes=8 << 20,
+        max_entries=4,
+        ways=4,
+        return_mode="clone",
+    )
     with EmbeddingCache(config) as cache:
         for name in "abcd":
             cache.put(key(pconfig, name), torch.ones(1))
@@ -184,7 +208,9 @@ def test_lru_order_by_entries(namespace: str, pconfig: EncoderPreprocessingConfi
 
 
 def test_capacity_errors(namespace: str, pconfig: EncoderPreprocessingConfig) -> None:
-    config = CacheConfig(enable_embedding_cache=True, namespace=namespace, capacity_bytes=1 << 20, max_entries=16, ways=16)
+    config = CacheConfig(
+        enable_embedding_cache=True, namespace=namespace, capacity_bytes=1 << 20, max_entries=16, ways=16
+    )
     with EmbeddingCache(config) as cache:
         huge = torch.zeros(2 << 20, dtype=torch.uint8)
         with pytest.raises(CapacityError, match="exceeds capacity"):
@@ -194,7 +220,10 @@ def test_capacity_errors(namespace: str, pconfig: EncoderPreprocessingConfig) ->
         assert cache.get(key(pconfig, "huge")) is None
         assert cache.stats()["uncacheable"] == 2
         # every byte referenced: a put that needs room fails clearly, nothing is evicted from under a reader
-        held = [cache.get_or_compute(key(pconfig, f"h{i}"), lambda: torch.zeros(300 * 1024, dtype=torch.uint8)) for i in range(3)]
+        held = [
+            cache.get_or_compute(key(pconfig, f"h{i}"), lambda: torch.zeros(300 * 1024, dtype=torch.uint8))
+            for i in range(3)
+        ]
         with pytest.raises(CapacityError, match="referenced"):
             cache.put(key(pconfig, "one-more"), torch.zeros(300 * 1024, dtype=torch.uint8))
         del held
@@ -203,7 +232,9 @@ def test_capacity_errors(namespace: str, pconfig: EncoderPreprocessingConfig) ->
 def test_shm_too_small_is_a_clear_error(namespace: str) -> None:
     free = os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize
     with pytest.raises(CapacityError, match="--shm-size"):
-        EmbeddingCache(CacheConfig(enable_embedding_cache=True, namespace=namespace, capacity_bytes=free + (1 << 30)))
+        EmbeddingCache(
+            CacheConfig(enable_embedding_cache=True, namespace=namespace, capacity_bytes=free + (1 << 30))
+        )
 
 
 def test_layout_mismatch_while_attached(config: CacheConfig) -> None:
@@ -218,7 +249,9 @@ def test_layout_mismatch_while_attached(config: CacheConfig) -> None:
         assert again.stats()["capacity_bytes"] == config.capacity_bytes * 2  # nobody attached: recreated
 
 
-def test_key_of_another_algorithm_is_rejected(config: CacheConfig, pconfig: EncoderPreprocessingConfig) -> None:
+def test_key_of_another_algorithm_is_rejected(
+    config: CacheConfig, pconfig: EncoderPreprocessingConfig
+) -> None:
     with EmbeddingCache(config) as cache:
         foreign = EmbeddingCacheKey.from_raw_bytes(b"x", pconfig, modality="image", algorithm="sha256")
         with pytest.raises(InvalidKey, match="sha256"):
@@ -236,7 +269,9 @@ def test_corrupt_header_raises_corrupt_segment(config: CacheConfig) -> None:
         cache._segments.index[0:8] = b"SHMCIDX\x01"
 
 
-def test_corrupt_slot_record_is_quarantined_not_served(config: CacheConfig, pconfig: EncoderPreprocessingConfig) -> None:
+def test_corrupt_slot_record_is_quarantined_not_served(
+    config: CacheConfig, pconfig: EncoderPreprocessingConfig
+) -> None:
     with EmbeddingCache(config) as cache:
         k = key(pconfig, "victim")
         cache.put(k, torch.ones(8))
@@ -327,7 +362,9 @@ def test_last_close_removes_everything(config: CacheConfig, pconfig: EncoderPrep
         second.get(key(pconfig, "x"))
 
 
-def test_destroy_removes_the_namespace_under_attached_users(config: CacheConfig, pconfig: EncoderPreprocessingConfig) -> None:
+def test_destroy_removes_the_namespace_under_attached_users(
+    config: CacheConfig, pconfig: EncoderPreprocessingConfig
+) -> None:
     before = kernel_objects()
     user = EmbeddingCache(config)
     user.put(key(pconfig, "x"), torch.ones(1))

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import os
-import queue
 import time
 from pathlib import Path
 
@@ -37,7 +35,9 @@ def test_exactly_one_compute_for_8_processes_x_4_threads(config: CacheConfig, tm
     ctx = _ctx()
     start, results = ctx.Barrier(8), ctx.Queue()
     log = tmp_path / "computes.log"
-    procs = [spawn(workers.exactly_once, config, "shared-image", 4, str(log), start, results) for _ in range(8)]
+    procs = [
+        spawn(workers.exactly_once, config, "shared-image", 4, str(log), start, results) for _ in range(8)
+    ]
     got = _drain(results, 32)
     for p in procs:
         p.join(30)
@@ -64,7 +64,9 @@ def test_waiter_takes_over_when_the_computing_process_is_killed(config: CacheCon
         assert fingerprint(observer.get(key_of("k"))) == fp
 
 
-def test_waiters_get_the_cause_of_a_failed_compute_and_the_key_is_free(config: CacheConfig, tmp_path: Path) -> None:
+def test_waiters_get_the_cause_of_a_failed_compute_and_the_key_is_free(
+    config: CacheConfig, tmp_path: Path
+) -> None:
     started = tmp_path / "started"
     with EmbeddingCache(config) as cache:
         owner = spawn(workers.compute_then_fail, config, "k", str(started), str(tmp_path / "go"))
@@ -80,7 +82,9 @@ def test_waiters_get_the_cause_of_a_failed_compute_and_the_key_is_free(config: C
         assert {g[0] for g in got} == {"ComputeFailed"}, got
         assert all("decoder exploded on frame 17" in str(g[1]) for g in got)
         # the key is free: a retry computes normally
-        assert torch.equal(cache.get_or_compute(key_of("k"), lambda: expected_value("k")), expected_value("k"))
+        assert torch.equal(
+            cache.get_or_compute(key_of("k"), lambda: expected_value("k")), expected_value("k")
+        )
     assert issubclass(ComputeFailed, RuntimeError)
 
 
@@ -138,7 +142,14 @@ def test_dead_process_pins_and_refs_are_reaped(config: CacheConfig, tmp_path: Pa
 
 
 def test_dead_pins_do_not_block_eviction(namespace: str, tmp_path: Path) -> None:
-    config = CacheConfig(enable_embedding_cache=True, namespace=namespace, capacity_bytes=1 << 20, max_entries=16, ways=16, return_mode="clone")
+    config = CacheConfig(
+        enable_embedding_cache=True,
+        namespace=namespace,
+        capacity_bytes=1 << 20,
+        max_entries=16,
+        ways=16,
+        return_mode="clone",
+    )
     with EmbeddingCache(config) as cache:
         cache.put(key_of("held"), expected_value("held", 300_000))
         ready = tmp_path / "ready"

@@ -11,7 +11,9 @@ from shmcache import CacheConfig, ConfigTypeError, InvalidConfig, errors
 from shmcache.errors import ShmCacheError
 
 ERROR_CLASSES = [
-    obj for _, obj in inspect.getmembers(errors, inspect.isclass) if issubclass(obj, ShmCacheError) and obj is not ShmCacheError
+    obj
+    for _, obj in inspect.getmembers(errors, inspect.isclass)
+    if issubclass(obj, ShmCacheError) and obj is not ShmCacheError
 ]
 
 
@@ -20,7 +22,9 @@ def test_errors_pickle_and_subclass_a_builtin(cls: type[ShmCacheError]) -> None:
     err = cls("what went wrong")
     restored = pickle.loads(pickle.dumps(err))
     assert type(restored) is cls and str(restored) == "what went wrong"
-    builtins = [b for b in cls.__mro__ if b.__module__ == "builtins" and b not in (object, BaseException, Exception)]
+    builtins = [
+        b for b in cls.__mro__ if b.__module__ == "builtins" and b not in (object, BaseException, Exception)
+    ]
     assert builtins, f"{cls.__name__} subclasses no specific builtin"
 
 
@@ -52,7 +56,9 @@ def test_cache_config_defaults_are_a_pass_through() -> None:
         ("mode", 0o400, InvalidConfig),
     ],
 )
-def test_cache_config_rejects_bad_fields_naming_them(field: str, value: object, error: type[Exception]) -> None:
+def test_cache_config_rejects_bad_fields_naming_them(
+    field: str, value: object, error: type[Exception]
+) -> None:
     with pytest.raises(error, match=field.split("_")[0]):
         CacheConfig(**{field: value})  # type: ignore[arg-type]
 

@@ -28,19 +28,29 @@ def all_key_hexes() -> list[str]:
         for modality in MODALITIES:
             out.append(
                 EmbeddingCacheKey.from_raw_bytes(
-                    b"\x89PNG...", config, modality=modality, algorithm=algorithm  # type: ignore[arg-type]
+                    b"\x89PNG...",
+                    config,
+                    modality=modality,
+                    algorithm=algorithm,  # type: ignore[arg-type]
                 ).hex
             )
             out.append(
                 EmbeddingCacheKey.from_decoded_tensor(
-                    tensor, config, modality=modality, algorithm=algorithm  # type: ignore[arg-type]
+                    tensor,
+                    config,
+                    modality=modality,
+                    algorithm=algorithm,  # type: ignore[arg-type]
                 ).hex
             )
         first = EmbeddingCacheKey.from_token_prefix([1, 2, 3], config, algorithm=algorithm)  # type: ignore[arg-type]
         out.append(first.hex)
         out.append(EmbeddingCacheKey.from_token_prefix([4, 5], config, parent=first, algorithm=algorithm).hex)  # type: ignore[arg-type]
         salted = EmbeddingCacheKey.from_raw_bytes(
-            b"x", config, modality="image", tenant_salt="tenant-a", algorithm=algorithm  # type: ignore[arg-type]
+            b"x",
+            config,
+            modality="image",
+            tenant_salt="tenant-a",
+            algorithm=algorithm,  # type: ignore[arg-type]
         )
         out.append(salted.hex)
     return out
@@ -82,13 +92,15 @@ def test_each_config_field_changes_every_kind_of_key(field: str) -> None:
     base = make_pconfig()
     other = dataclasses.replace(base, **{field: _changed(getattr(base, field))})
     tensor = torch.ones(4, 4)
-    assert EmbeddingCacheKey.from_raw_bytes(b"img", base, modality="image") != EmbeddingCacheKey.from_raw_bytes(
-        b"img", other, modality="image"
-    )
+    assert EmbeddingCacheKey.from_raw_bytes(
+        b"img", base, modality="image"
+    ) != EmbeddingCacheKey.from_raw_bytes(b"img", other, modality="image")
     assert EmbeddingCacheKey.from_decoded_tensor(
         tensor, base, modality="video"
     ) != EmbeddingCacheKey.from_decoded_tensor(tensor, other, modality="video")
-    assert EmbeddingCacheKey.from_token_prefix([1, 2], base) != EmbeddingCacheKey.from_token_prefix([1, 2], other)
+    assert EmbeddingCacheKey.from_token_prefix([1, 2], base) != EmbeddingCacheKey.from_token_prefix(
+        [1, 2], other
+    )
 
 
 def test_raw_and_tensor_namespaces_differ(pconfig: EncoderPreprocessingConfig) -> None:
@@ -167,9 +179,9 @@ def test_tensor_keys_bf16_noncontiguous_and_numpy(pconfig: EncoderPreprocessingC
     assert k == EmbeddingCacheKey.from_decoded_tensor(t.t().contiguous(), pconfig, modality="image")
     assert k != EmbeddingCacheKey.from_decoded_tensor(t, pconfig, modality="image")
     f = torch.randn(3, 5)
-    assert EmbeddingCacheKey.from_decoded_tensor(f, pconfig, modality="image") == EmbeddingCacheKey.from_decoded_tensor(
-        f.numpy(), pconfig, modality="image"
-    )
+    assert EmbeddingCacheKey.from_decoded_tensor(
+        f, pconfig, modality="image"
+    ) == EmbeddingCacheKey.from_decoded_tensor(f.numpy(), pconfig, modality="image")
     big_endian = f.numpy().astype(">f4")
     assert EmbeddingCacheKey.from_decoded_tensor(big_endian, pconfig, modality="image") == (
         EmbeddingCacheKey.from_decoded_tensor(f, pconfig, modality="image")
@@ -187,7 +199,10 @@ def test_tensor_keys_from_cuda_match_cpu(pconfig: EncoderPreprocessingConfig) ->
 
 
 def test_algorithms_are_full_width_and_namespaced(pconfig: EncoderPreprocessingConfig) -> None:
-    keys = {a: EmbeddingCacheKey.from_raw_bytes(b"x", pconfig, modality="image", algorithm=a) for a in HASH_ALGORITHMS}  # type: ignore[arg-type]
+    keys = {
+        a: EmbeddingCacheKey.from_raw_bytes(b"x", pconfig, modality="image", algorithm=a)
+        for a in HASH_ALGORITHMS
+    }  # type: ignore[arg-type]
     assert [len(keys[a].digest) for a in HASH_ALGORITHMS] == [16, 32, 32]
     assert keys["xxh3_128"].algorithm == "xxh3_128"
     assert keys["blake3"] != keys["sha256"]
@@ -200,9 +215,9 @@ def test_token_prefix_chain(pconfig: EncoderPreprocessingConfig) -> None:
     second = EmbeddingCacheKey.from_token_prefix([4, 5], pconfig, parent=first)
     assert second == EmbeddingCacheKey.from_token_prefix(np.array([4, 5]), pconfig, parent=first.digest)
     assert second != EmbeddingCacheKey.from_token_prefix([4, 5], pconfig)
-    assert EmbeddingCacheKey.from_token_prefix([4, 5], pconfig, parent=b"") != EmbeddingCacheKey.from_token_prefix(
-        [4, 5], pconfig
-    )
+    assert EmbeddingCacheKey.from_token_prefix(
+        [4, 5], pconfig, parent=b""
+    ) != EmbeddingCacheKey.from_token_prefix([4, 5], pconfig)
     codec_changed = make_pconfig(audio_codec_version="v2")
     assert EmbeddingCacheKey.from_token_prefix([1, 2, 3], codec_changed) != first
     with pytest.raises(TypeError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import struct
 
 import numpy as np
@@ -30,7 +31,9 @@ ALL_TORCH_DTYPES = sorted(_torch_dtypes().items())
 
 @pytest.mark.parametrize(("name", "dtype"), ALL_TORCH_DTYPES, ids=[n for n, _ in ALL_TORCH_DTYPES])
 @pytest.mark.parametrize("shape", [(), (0,), (7,), (3, 5), (2, 3, 4)])
-def test_every_torch_dtype_round_trips_bit_identically(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+def test_every_torch_dtype_round_trips_bit_identically(
+    name: str, dtype: torch.dtype, shape: tuple[int, ...]
+) -> None:
     original = _random_tensor(dtype, shape)
     for value in (original, original.t() if original.dim() == 2 else original):
         out = decode(encode(value))
@@ -50,7 +53,10 @@ def test_shell_dtypes_are_rejected_not_pickled() -> None:
             torch_dtype_name(dtype)
 
 
-@pytest.mark.parametrize("np_dtype", ["bool", "int8", "uint16", "int64", "float16", "float32", "float64", "complex64", "complex128", ">f8"])
+@pytest.mark.parametrize(
+    "np_dtype",
+    ["bool", "int8", "uint16", "int64", "float16", "float32", "float64", "complex64", "complex128", ">f8"],
+)
 def test_numpy_arrays_round_trip_and_views_are_read_only(np_dtype: str) -> None:
     rng = np.random.default_rng(0)
     array = rng.integers(0, 255, size=(4, 6)).astype(np_dtype)
@@ -66,12 +72,18 @@ def test_numpy_arrays_round_trip_and_views_are_read_only(np_dtype: str) -> None:
 def test_token_ids_hidden_state_prefix_and_dicts() -> None:
     tokens = [0, 1, -5, 2**62, 151643]
     assert decode(encode(tokens)) == tokens
-    prefix = HiddenStatePrefix(tokens, torch.randn(5, 8).to(torch.bfloat16), {"voice": "alice", "sr": 24000, "ok": True, "x": None})
+    prefix = HiddenStatePrefix(
+        tokens, torch.randn(5, 8).to(torch.bfloat16), {"voice": "alice", "sr": 24000, "ok": True, "x": None}
+    )
     out = decode(encode(prefix))
     assert isinstance(out, HiddenStatePrefix)
     assert out.token_ids == tokens and out.metadata == prefix.metadata
     assert _bits(out.hidden_states) == _bits(prefix.hidden_states)
-    outputs = {"pooled": torch.randn(1, 1024), "patches": torch.randn(256, 1024).half(), "mask": torch.ones(256, dtype=torch.bool)}
+    outputs = {
+        "pooled": torch.randn(1, 1024),
+        "patches": torch.randn(256, 1024).half(),
+        "mask": torch.ones(256, dtype=torch.bool),
+    }
     got = decode(encode(outputs))
     assert list(got) == list(outputs)
     assert all(_bits(got[k]) == _bits(outputs[k]) for k in outputs)
@@ -127,14 +139,14 @@ def test_corrupted_headers_raise_corrupt_value() -> None:
 
 
 @settings(max_examples=400, deadline=None)
-@given(st.binary(max_size=600), st.integers(min_value=0, max_value=400), st.integers(min_value=0, max_value=255))
+@given(
+    st.binary(max_size=600), st.integers(min_value=0, max_value=400), st.integers(min_value=0, max_value=255)
+)
 def test_fuzzed_bytes_never_crash(noise: bytes, position: int, byte: int) -> None:
     good = bytearray(encode(HiddenStatePrefix([1, 2, 3], torch.randn(2, 3), {"k": "v"})))
     for candidate in (noise, bytes(good[:position]) + noise, _flip(good, position, byte)):
-        try:
+        with contextlib.suppress(CorruptValue):
             decode(candidate)
-        except CorruptValue:
-            pass
 
 
 def _flip(buffer: bytearray, position: int, byte: int) -> bytes:
