@@ -2,17 +2,20 @@
 
 A key's digest is taken over framed input (see `shmcache.framing`): the key schema version, the hash
 algorithm, the namespace (raw bytes / decoded tensor / token prefix), the modality, every
-`EncoderPreprocessingConfig` field, the optional tenant salt, then the content. The three namespaces
-are explicit constructors, never chosen automatically. Digests are full width (16 bytes for xxh3_128,
-32 for blake3 and sha256) and identical across processes and interpreter runs.
+`EncoderPreprocessingConfig` field and the optional tenant salt (all of it memoised as the digest of
+that framed header), then the dtype and shape (tensors) or the parent (token prefixes), then the
+content's length and its full-width digest under the same algorithm, so the content, the only large
+part, is hashed once at the hash function's full speed. The three namespaces are explicit
+constructors, never chosen automatically. Digests are full width (16 bytes for xxh3_128, 32 for
+blake3 and sha256) and identical across processes and interpreter runs.
 """
 
 from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Final, Literal, Protocol, cast
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 import numpy as np
 import xxhash
@@ -41,66 +44,74 @@ Modality = Literal["image", "video", "audio"]
 MODALITIES: Final[tuple[str, ...]] = ("image", "video", "audio")
 KeyKind = Literal["raw", "tensor", "token_prefix"]
 
-_CONTENT_HEADER = struct.Struct("<BQ")  # the framing of a bytes item: tag 5, then its length
-_BYTES_TAG = 5
+_LEN_AND_DIGEST = struct.Struct("<BQ")
 
 
-class _Hasher(Protocol):
-    def update(self, data: Any, /) -> None: ...
-    def digest(self) -> bytes: ...
-    def copy(self) -> _Hasher: ...
+def _blake3(data: Any) -> bytes:
+    import blake3
+
+    return bytes(blake3.blake3(data).digest())
 
 
-def _new_hasher(algorithm: str) -> _Hasher:
-    if algorithm == "xxh3_128":
-        hasher: _Hasher = xxhash.xxh3_128()
-    elif algorithm == "blake3":
-        import blake3
-
-        hasher = cast(_Hasher, blake3.blake3())
-    elif algorithm == "sha256":
-        hasher = hashlib.sha256()
-    else:
-        raise InvalidKey(f"unknown hash algorithm {algorithm!r}; choose one of {HASH_ALGORITHMS}")
-    return hasher
+def _sha256(data: Any) -> bytes:
+    return hashlib.sha256(data).digest()
 
 
-_prefixes: dict[tuple[str, str, str, int, bytes | None], tuple[EncoderPreprocessingConfig, _Hasher]] = {}
+_ONE_SHOT: Final[dict[str, Callable[[Any], bytes]]] = {
+    "xxh3_128": xxhash.xxh3_128_digest,
+    "blake3": _blake3,
+    "sha256": _sha256,
+}
+
+_prefixes: dict[
+    tuple[str, str, str, int, bytes | None], tuple[EncoderPreprocessingConfig, Callable[[Any], bytes], bytes]
+] = {}
 
 
-def _prefixed_hasher(
+def _prefix(
     algorithm: str,
     kind: str,
     modality: str,
     config: EncoderPreprocessingConfig,
     tenant_salt: str | bytes | None,
-) -> _Hasher:
-    """A fresh hasher that has already absorbed the framed header; header states are memoised."""
+) -> tuple[EncoderPreprocessingConfig, Callable[[Any], bytes], bytes]:
+    """(config, hash function, framed digest of the key header) for these settings; memoised.
+
+    The header frames the key schema version, the algorithm, the namespace, the modality, every
+    config field and the salt; its full-width digest stands for it in every key made with it.
+    """
     salt = tenant_salt.encode() if isinstance(tenant_salt, str) else tenant_salt
     memo_key = (algorithm, kind, modality, id(config), salt)
     found = _prefixes.get(memo_key)
     if found is not None and found[0] is config:
-        return found[1].copy()
+        return found
     if not isinstance(config, EncoderPreprocessingConfig):
         raise UnsupportedValue(f"config must be an EncoderPreprocessingConfig, got {type(config).__name__}")
+    if algorithm not in _ONE_SHOT:
+        raise InvalidKey(f"unknown hash algorithm {algorithm!r}; choose one of {HASH_ALGORITHMS}")
     if modality not in MODALITIES:
         raise InvalidKey(f"modality must be one of {MODALITIES}, got {modality!r}")
     if tenant_salt is not None and not isinstance(tenant_salt, str | bytes):
         raise UnsupportedValue(f"tenant_salt must be str, bytes or None, got {type(tenant_salt).__name__}")
-    hasher = _new_hasher(algorithm)
-    hasher.update(frame(("shmcache-key", KEY_SCHEMA_VERSION, algorithm, kind, modality)))
-    hasher.update(config.framed())
-    hasher.update(frame(salt))
+    hash_fn = _ONE_SHOT[algorithm]
+    header = frame(("shmcache-key", KEY_SCHEMA_VERSION, algorithm, kind, modality))
+    header += config.framed() + frame(salt)
     if len(_prefixes) > 4096:
         _prefixes.clear()
-    _prefixes[memo_key] = (config, hasher)  # holds config: its id() cannot be reused while memoised
-    return hasher.copy()
+    found = _prefixes[memo_key] = (config, hash_fn, frame(hash_fn(header)))  # holds config: id stays unique
+    return found
 
 
-def _absorb_content(hasher: _Hasher, data: Any, nbytes: int) -> bytes:
-    hasher.update(_CONTENT_HEADER.pack(_BYTES_TAG, nbytes))
-    hasher.update(data)
-    return hasher.digest()
+def _digest(
+    prefix: tuple[Any, Callable[[Any], bytes], bytes], content: Any, nbytes: int, extra: bytes = b""
+) -> bytes:
+    """H(frame(H(header)) || extra || frame(len(content), H(content))): the content, the only large
+    part, is hashed once at the hash function's full speed."""
+    hash_fn = prefix[1]
+    return hash_fn(prefix[2] + extra + _LEN_AND_DIGEST.pack(_CONTENT_TAG, nbytes) + hash_fn(content))
+
+
+_CONTENT_TAG = 0xC0
 
 
 class EmbeddingCacheKey:
@@ -109,12 +120,9 @@ class EmbeddingCacheKey:
     Build keys with `from_raw_bytes`, `from_decoded_tensor` or `from_token_prefix`.
     """
 
-    __slots__ = ("_algorithm", "_digest", "_kind", "_modality")
+    __slots__ = ("_parts",)
 
-    _algorithm: str
-    _digest: bytes
-    _kind: str
-    _modality: str
+    _parts: tuple[str, bytes, str, str]  # algorithm, digest, modality, kind
 
     def __init__(self, algorithm: str, digest: bytes, modality: str, kind: str) -> None:
         if algorithm not in HASH_ALGORITHMS:
@@ -122,10 +130,14 @@ class EmbeddingCacheKey:
         expected = 16 if algorithm == "xxh3_128" else 32
         if not isinstance(digest, bytes) or len(digest) != expected:
             raise InvalidKey(f"{algorithm} digests are {expected} bytes")
-        object.__setattr__(self, "_algorithm", algorithm)
-        object.__setattr__(self, "_digest", digest)
-        object.__setattr__(self, "_modality", modality)
-        object.__setattr__(self, "_kind", kind)
+        _set_parts(self, (algorithm, digest, modality, kind))
+
+    @classmethod
+    def _make(cls, algorithm: str, digest: bytes, modality: str, kind: str) -> EmbeddingCacheKey:
+        """Construct without re-validating (the constructors above produced the parts)."""
+        key = _new_key(cls)
+        _set_parts(key, (algorithm, digest, modality, kind))
+        return key
 
     @classmethod
     def from_raw_bytes(
@@ -138,18 +150,18 @@ class EmbeddingCacheKey:
         tenant_salt: str | bytes | None = None,
     ) -> EmbeddingCacheKey:
         """Key of an input's raw bytes (the encoded image / audio file as received)."""
-        if isinstance(data, memoryview):
+        if isinstance(data, bytes | bytearray):
+            nbytes = len(data)
+        elif isinstance(data, memoryview):
             if not data.c_contiguous:
                 raise UnsupportedValue("from_raw_bytes needs a C-contiguous buffer")
             nbytes = data.nbytes
-        elif isinstance(data, bytes | bytearray):
-            nbytes = len(data)
         else:
             raise UnsupportedValue(
                 f"from_raw_bytes takes bytes, bytearray or memoryview, got {type(data).__name__}"
             )
-        hasher = _prefixed_hasher(algorithm, "raw", modality, config, tenant_salt)
-        return cls(algorithm, _absorb_content(hasher, data, nbytes), modality, "raw")
+        prefix = _prefix(algorithm, "raw", modality, config, tenant_salt)
+        return cls._make(algorithm, _digest(prefix, data, nbytes), modality, "raw")
 
     @classmethod
     def from_decoded_tensor(
@@ -169,9 +181,9 @@ class EmbeddingCacheKey:
         from shmcache.dtypes import tensor_bytes
 
         dtype_name, shape, content = tensor_bytes(tensor)
-        hasher = _prefixed_hasher(algorithm, "tensor", modality, config, tenant_salt)
-        hasher.update(frame((dtype_name, shape)))
-        return cls(algorithm, _absorb_content(hasher, content, content.nbytes), modality, "tensor")
+        prefix = _prefix(algorithm, "tensor", modality, config, tenant_salt)
+        digest = _digest(prefix, content, content.nbytes, frame((dtype_name, shape)))
+        return cls._make(algorithm, digest, modality, "tensor")
 
     @classmethod
     def from_token_prefix(
@@ -205,35 +217,34 @@ class EmbeddingCacheKey:
         if tokens.size and (tokens.dtype.kind == "u" and tokens.max() > np.iinfo(np.int64).max):
             raise UnsupportedValue("token ids must fit in int64")
         content = np.ascontiguousarray(tokens, dtype="<i8")
-        hasher = _prefixed_hasher(algorithm, "token_prefix", modality, config, tenant_salt)
-        hasher.update(frame(parent_bytes))
-        digest = _absorb_content(hasher, content.view(np.uint8).data, content.nbytes)
-        return cls(algorithm, digest, modality, "token_prefix")
+        prefix = _prefix(algorithm, "token_prefix", modality, config, tenant_salt)
+        digest = _digest(prefix, content.view(np.uint8).data, content.nbytes, frame(parent_bytes))
+        return cls._make(algorithm, digest, modality, "token_prefix")
 
     @property
     def digest(self) -> bytes:
         """The full-width digest bytes."""
-        return self._digest
+        return self._parts[1]
 
     @property
     def hex(self) -> str:
         """The digest as lowercase hex."""
-        return self._digest.hex()
+        return self._parts[1].hex()
 
     @property
     def algorithm(self) -> str:
         """The hash algorithm ("xxh3_128", "blake3" or "sha256")."""
-        return self._algorithm
+        return self._parts[0]
 
     @property
     def modality(self) -> str:
         """The modality the key was made for (already part of the digest)."""
-        return self._modality
+        return self._parts[2]
 
     @property
     def kind(self) -> str:
         """The namespace: "raw", "tensor" or "token_prefix" (already part of the digest)."""
-        return self._kind
+        return self._parts[3]
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError("EmbeddingCacheKey is immutable")
@@ -241,13 +252,18 @@ class EmbeddingCacheKey:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, EmbeddingCacheKey):
             return NotImplemented
-        return self._digest == other._digest and self._algorithm == other._algorithm
+        return self._parts[:2] == other._parts[:2]
 
     def __hash__(self) -> int:
-        return hash(self._digest)
+        return hash(self._parts[1])
 
     def __reduce__(self) -> tuple[type[EmbeddingCacheKey], tuple[str, bytes, str, str]]:
-        return (EmbeddingCacheKey, (self._algorithm, self._digest, self._modality, self._kind))
+        return (EmbeddingCacheKey, self._parts)
 
     def __repr__(self) -> str:
-        return f"EmbeddingCacheKey({self._kind}/{self._modality} {self._algorithm}:{self.hex[:16]}…)"
+        algorithm, _digest, modality, kind = self._parts
+        return f"EmbeddingCacheKey({kind}/{modality} {algorithm}:{self.hex[:16]}…)"
+
+
+_new_key = object.__new__
+_set_parts = EmbeddingCacheKey._parts.__set__  # the slot's own setter: bypasses __setattr__

@@ -1,0 +1,85 @@
+"""Key construction speed versus raw xxh3-128 of the same buffer (target: >= 80%).
+
+python -m tools.bench_keys [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import xxhash
+
+from shmcache import EmbeddingCacheKey, EncoderPreprocessingConfig
+
+CONFIG = EncoderPreprocessingConfig(
+    cache_schema_version=1,
+    model_id="Qwen/Qwen2.5-Omni-7B",
+    model_revision="main",
+    encoder_config_hash="0" * 16,
+    processor_version="4.51",
+    resize_mode="bicubic",
+    image_size=(448, 448),
+    crop_mode="center",
+    normalize_mean=(0.48, 0.46, 0.41),
+    normalize_std=(0.27, 0.26, 0.28),
+    audio_sample_rate=0,
+    audio_codec_version="",
+    audio_codec_config_hash="",
+    video_frame_stride=0,
+    input_dtype="bfloat16",
+)
+
+
+def _rates(fns: list[Callable[[], object]], nbytes: int, rounds: int = 60) -> list[float]:
+    """Median bytes/s of each function, measured in alternating batches (so drift hits all alike)."""
+    calls = max(1, int(5e7 // max(nbytes, 1)))
+    samples: list[list[float]] = [[] for _ in fns]
+    for _ in range(rounds):
+        for fn, out in zip(fns, samples, strict=True):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            out.append(nbytes * calls / (time.perf_counter() - t0))
+    return [statistics.median(s) for s in samples]
+
+
+def run() -> list[dict[str, float | int]]:
+    rows = []
+    for size in (200 * 1024, 8 << 20):
+        data = os.urandom(size)
+        raw, key = _rates(
+            [
+                lambda data=data: xxhash.xxh3_128_digest(data),
+                lambda data=data: EmbeddingCacheKey.from_raw_bytes(data, CONFIG, modality="image"),
+            ],
+            size,
+        )
+        rows.append({"bytes": size, "raw_gbps": raw / 1e9, "key_gbps": key / 1e9, "ratio": key / raw})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--json", help="also write the rows to this file")
+    args = parser.parse_args(argv)
+    rows = run()
+    print("| input | raw xxh3-128 | EmbeddingCacheKey.from_raw_bytes | ratio |")
+    print("|---|---|---|---|")
+    for row in rows:
+        print(
+            f"| {int(row['bytes']) // 1024} KiB | {row['raw_gbps']:.1f} GB/s | {row['key_gbps']:.1f} GB/s "
+            f"| {row['ratio']:.0%} |"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
