@@ -131,6 +131,12 @@ class Reservation:
         self.value = self._cache._commit(self.key, self._slot, self._gen, value, self.request_id)
         return self.value
 
+    def _store(self, value: Value) -> None:
+        """`commit` without building the returned view (for `put`)."""
+        if self._open and self._slot >= 0:
+            self._open = False
+            self._cache._commit(self.key, self._slot, self._gen, value, self.request_id, deliver=False)
+
     def abandon(self, reason: str = "abandoned") -> None:
         """Give the key up: waiters are woken and the first of them computes it instead."""
         if self._open:
@@ -232,7 +238,7 @@ class EmbeddingCache:
             return
         if not res.cached:
             raise CapacityError(f"{key!r}: no slot is free in its stripe (every way is referenced)")
-        res.commit(value)
+        res._store(value)
 
     def get_or_compute(
         self, key: EmbeddingCacheKey, compute_fn: Callable[[], Value], request_id: RequestId | None = None
@@ -416,17 +422,29 @@ class EmbeddingCache:
                 raise ComputeFailed(f"{key!r}: the process computing it failed: {message}")
 
     def _commit(
-        self, key: EmbeddingCacheKey, slot: int, gen: int, value: Value, request_id: RequestId | None
+        self,
+        key: EmbeddingCacheKey,
+        slot: int,
+        gen: int,
+        value: Value,
+        request_id: RequestId | None,
+        *,
+        deliver: bool = True,
     ) -> Value:
+        """Store `value` for reservation (slot, gen) and seal it. Any failure before the seal
+        abandons the reservation (waiters learn why). Returns the cached view when `deliver`."""
         node = self._index()
         try:
             encoded = values.plan(value)
-        except Exception as exc:
-            node.abandon(slot, gen, FAILED, f"{type(exc).__name__}: {exc}")
-            raise
-        size = entry.entry_size(encoded)
-        try:
+            size = entry.entry_size(encoded)
             offset = node.allocate(slot, gen, size)
+            if offset is None:
+                raise ReservationLost(f"{key!r}: reservation (slot {slot}, gen {gen}) was taken over")
+            target = memoryview(self._segments.arena)[offset : offset + size]
+            try:
+                entry.write_entry(target, key, gen, encoded, checksum=self.config.debug_check_views)
+            finally:
+                target.release()
         except CapacityError as exc:
             node.count("uncacheable")
             node.abandon(slot, gen, UNCACHEABLE, str(exc))
@@ -434,18 +452,19 @@ class EmbeddingCache:
         except BaseException as exc:
             node.abandon(slot, gen, FAILED, f"{type(exc).__name__}: {exc}")
             raise
-        if offset is None:
-            raise ReservationLost(f"{key!r}: reservation (slot {slot}, gen {gen}) was taken over")
-        target = memoryview(self._segments.arena)[offset : offset + size]
-        try:
-            entry.write_entry(target, key, gen, encoded, checksum=self.config.debug_check_views)
-        finally:
-            target.release()
-        info = node.seal(slot, gen, self._pins_for(request_id))
+        pins = self._pins_for(request_id) if deliver else int(request_id is not None)
+        info = node.seal(slot, gen, pins)
         if info is None:
             raise ReservationLost(f"{key!r}: reservation (slot {slot}, gen {gen}) was taken over")
         node.count("puts")
         node.count("bytes_put", size)
+        if not info.pinned:
+            return value  # stored for everyone; this process is out of pins, so it keeps its own value
+        if not deliver:
+            if request_id is not None:
+                with self._state_lock:
+                    self._requests.setdefault(request_id, []).append((slot, gen))
+            return value
         result = self._deliver(key, info, request_id)
         return value if result is None else result
 

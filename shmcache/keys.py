@@ -266,4 +266,7 @@ class EmbeddingCacheKey:
 
 
 _new_key = object.__new__
-_set_parts = EmbeddingCacheKey._parts.__set__  # the slot's own setter: bypasses __setattr__
+# the slot's own descriptor setter: bypasses the __setattr__ that makes keys immutable
+_set_parts: Callable[[EmbeddingCacheKey, tuple[str, bytes, str, str]], None] = vars(EmbeddingCacheKey)[
+    "_parts"
+].__set__

@@ -85,12 +85,13 @@ class LockTimeout(ShmCacheError, TimeoutError):
 
 
 class SlotInfo(NamedTuple):
-    """Where a sealed entry lives."""
+    """Where a sealed entry lives; `pinned` is False if the pins asked for could not be taken."""
 
     slot: int
     gen: int
     offset: int
     size: int
+    pinned: bool = True
 
 
 @dataclass(frozen=True)
@@ -155,7 +156,8 @@ class _Section:
                 raise
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        self.index._leave(self.sem, self.held_off, clean=exc_type is None)
+        # CapacityError is only raised before a section writes anything: that exit is clean too
+        self.index._leave(self.sem, self.held_off, clean=exc_type is None or exc_type is CapacityError)
 
 
 class NodeIndex:
@@ -600,12 +602,16 @@ class NodeIndex:
                 return None
             _state, _owner, _gen, offset, size, _sealed, _refs = fields
             now = time.monotonic()
-            if pins:
-                self._pin(slot, gen, pins)
+            pinned = True
+            try:
+                if pins:
+                    self._pin(slot, gen, pins)
+            except CapacityError:  # this process holds too many pins: seal for everyone else anyway
+                pins, pinned = 0, False
             self.touch(slot, now)
             self._write_slot(slot, SEALED, self.client, gen, offset, size, now, pins)
             self.sems.release(self.layout.slot_sem(slot))
-            return SlotInfo(slot, gen, offset, size)
+            return SlotInfo(slot, gen, offset, size, pinned)
 
     def abandon(self, slot: int, gen: int, kind: int, message: str) -> bool:
         """Fenced abandon: free the reservation and record why for its waiters."""

@@ -1,0 +1,262 @@
+"""Node-layer benchmarks against the targets of DESIGN section 8.
+
+    python -m tools.bench_node [--quick] [--json out.json]
+
+1. cross-process hit p50/p99 for 1 KiB, 1 MiB, 8 MiB, 64 MiB (entries written by another process;
+   each get is a node hit: the previous view is dropped first), back to back and after 10 ms idle
+2. repeat hit in the same process while a view is alive
+3. put of 8 MiB against one memcpy of 8 MiB into warm memory
+4. wake-up: how long after the owner's commit returns its waiters return
+5. node memory when 8 processes read the same 1 GiB of entries (and touch every byte)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import statistics
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from shmcache import CacheConfig, EmbeddingCache, EmbeddingCacheKey, destroy_namespace
+from tools.bench_keys import CONFIG
+
+SIZES = {"1 KiB": 1 << 10, "1 MiB": 1 << 20, "8 MiB": 8 << 20, "64 MiB": 64 << 20}
+
+
+def key(name: str) -> EmbeddingCacheKey:
+    return EmbeddingCacheKey.from_raw_bytes(name.encode(), CONFIG, modality="image")
+
+
+def _config(capacity: int, **extra: Any) -> CacheConfig:
+    return CacheConfig(
+        enable_embedding_cache=True,
+        namespace=f"bench-{uuid.uuid4().hex[:8]}",
+        capacity_bytes=capacity,
+        **extra,
+    )
+
+
+def _pct(samples: list[float], q: float) -> float:
+    return float(np.percentile(samples, q))
+
+
+def _writer(config: CacheConfig, sizes: dict[str, int], done: str) -> None:
+    with EmbeddingCache(config) as cache:
+        for label, nbytes in sizes.items():
+            cache.put(key(label), torch.ones(nbytes, dtype=torch.uint8))
+        Path(done).touch()
+        while not Path(done + ".stop").exists():
+            time.sleep(0.01)
+
+
+def cross_process_hits(rounds: int, idle: float) -> dict[str, dict[str, float]]:
+    config = _config(160 << 20)
+    done = Path(f"/tmp/{config.namespace}.done")
+    ctx = mp.get_context("spawn")
+    with EmbeddingCache(config) as cache:
+        writer = ctx.Process(target=_writer, args=(config, SIZES, str(done)))
+        writer.start()
+        while not done.exists():
+            time.sleep(0.01)
+        out = {}
+        for label in SIZES:
+            samples = []
+            for _ in range(rounds):
+                time.sleep(idle)
+                t0 = time.perf_counter()
+                value = cache.get(key(label))
+                samples.append(time.perf_counter() - t0)
+                assert value is not None
+                del value
+            out[label] = {"p50_us": _pct(samples, 50) * 1e6, "p99_us": _pct(samples, 99) * 1e6}
+        Path(str(done) + ".stop").touch()
+        writer.join()
+    done.unlink()
+    Path(str(done) + ".stop").unlink()
+    destroy_namespace(config.namespace)
+    return out
+
+
+def repeat_hits(rounds: int) -> dict[str, float]:
+    with EmbeddingCache(_config(64 << 20)) as cache:
+        cache.put(key("repeat"), torch.ones(8 << 20, dtype=torch.uint8))
+        keep = cache.get(key("repeat"))
+        samples = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            cache.get(key("repeat"))
+            samples.append(time.perf_counter() - t0)
+        del keep
+    return {"p50_us": _pct(samples, 50) * 1e6, "p99_us": _pct(samples, 99) * 1e6}
+
+
+def put_vs_memcpy(rounds: int) -> dict[str, float]:
+    nbytes = 8 << 20
+    source = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+    warm = np.ones(nbytes, dtype=np.uint8)
+    copies, puts = [], []
+    with EmbeddingCache(_config(128 << 20, return_mode="clone")) as cache:
+        for i in range(rounds + 16):  # the arena wraps around: puts reuse evicted (warm) memory
+            t0 = time.perf_counter()
+            np.copyto(warm, source.numpy())
+            t1 = time.perf_counter()
+            cache.put(key(f"put-{i}"), source)
+            t2 = time.perf_counter()
+            if i >= 16:
+                copies.append(t1 - t0)
+                puts.append(t2 - t1)
+    memcpy, put = statistics.median(copies), statistics.median(puts)
+    return {"memcpy_ms": memcpy * 1e3, "put_ms": put * 1e3, "ratio": put / memcpy}
+
+
+def _waiter(config: CacheConfig, ready: Any, results: Any) -> None:
+    with EmbeddingCache(config) as cache:
+        ready.release()
+        value = cache.get_or_compute(key("wake"), lambda: torch.zeros(1))
+        results.put(time.perf_counter())  # CLOCK_MONOTONIC: comparable across processes
+        del value
+
+
+def wake_up(rounds: int, waiters: int = 3) -> dict[str, float]:
+    ctx = mp.get_context("spawn")
+    lags: list[float] = []
+    for _ in range(rounds):
+        config = _config(16 << 20)
+        ready, results = ctx.Semaphore(0), ctx.Queue()
+        with EmbeddingCache(config) as cache:
+            res = cache.reserve(key("wake"))
+            procs = [ctx.Process(target=_waiter, args=(config, ready, results)) for _ in range(waiters)]
+            for proc in procs:
+                proc.start()
+            for _ in procs:
+                ready.acquire()
+            while cache.stats()["coalesced_waits"] < waiters:
+                time.sleep(0.005)
+            res.commit(torch.ones(256))
+            committed = time.perf_counter()
+            lags.extend(results.get(timeout=30) - committed for _ in procs)
+            for proc in procs:
+                proc.join()
+            del res
+        destroy_namespace(config.namespace)
+    return {"p50_ms": _pct(lags, 50) * 1e3, "max_ms": max(lags) * 1e3}
+
+
+def _shmem_kib() -> int:
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("Shmem:"))
+
+
+def _private_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        return sum(int(line.split()[1]) for line in f if line.startswith(("Private_Clean", "Private_Dirty")))
+
+
+def _reader(config: CacheConfig, count: int, done: Any, release: str) -> None:
+    with EmbeddingCache(config) as cache:
+        views = [cache.get(key(f"gig-{i}")) for i in range(count)]
+        total = sum(int(v[::4096].sum()) for v in views if v is not None)  # touch every page
+        done.put(total)
+        while not Path(release).exists():
+            time.sleep(0.01)
+        del views
+
+
+def node_memory(processes: int = 8, entries: int = 128, entry_bytes: int = 8 << 20) -> dict[str, float]:
+    ctx = mp.get_context("spawn")
+    config = _config(entries * entry_bytes + (64 << 20), return_mode="view")
+    release = f"/tmp/{config.namespace}.release"
+    before = _shmem_kib()
+    with EmbeddingCache(config) as cache:
+        for i in range(entries):
+            cache.put(key(f"gig-{i}"), torch.full((entry_bytes - 256,), i % 251, dtype=torch.uint8))
+        done = ctx.Queue()
+        baseline = ctx.Process(target=_reader, args=(config, 0, done, release))
+        baseline.start()
+        done.get()
+        idle_private = _private_kib(baseline.pid or 0)
+        procs = [ctx.Process(target=_reader, args=(config, entries, done, release)) for _ in range(processes)]
+        for proc in procs:
+            proc.start()
+        for _ in procs:
+            done.get(timeout=300)
+        shmem = _shmem_kib() - before
+        private = sum(_private_kib(proc.pid or 0) - idle_private for proc in procs)
+        Path(release).touch()
+        for proc in [*procs, baseline]:
+            proc.join()
+    Path(release).unlink()
+    data_gib = entries * entry_bytes / 2**30
+    return {
+        "entries_gib": data_gib,
+        "shared_gib": shmem / 2**20,
+        "readers_private_gib": private / 2**20,
+        "node_total_gib": (shmem + private) / 2**20,
+        "per_process_caches_gib": processes * data_gib,
+    }
+
+
+def run(quick: bool) -> dict[str, Any]:
+    rounds = 50 if quick else 400
+    return {
+        "cross_process_hit": cross_process_hits(rounds, idle=0.0),
+        "cross_process_hit_after_idle": cross_process_hits(rounds // 4, idle=0.01),
+        "repeat_hit": repeat_hits(rounds * 10),
+        "put_8mib": put_vs_memcpy(20 if quick else 60),
+        "wake_up": wake_up(2 if quick else 10),
+        "node_memory_8_processes": node_memory(entries=16 if quick else 128),
+    }
+
+
+def report(results: dict[str, Any]) -> str:
+    lines = ["| measurement | p50 | p99 / other | target |", "|---|---|---|---|"]
+    for label, row in results["cross_process_hit"].items():
+        p50, p99 = row["p50_us"], row["p99_us"]
+        lines.append(f"| cross-process hit, {label} | {p50:.1f} µs | {p99:.1f} µs | p50 ≤ 20 µs, flat |")
+    for label, row in results["cross_process_hit_after_idle"].items():
+        p50, p99 = row["p50_us"], row["p99_us"]
+        lines.append(f"| same, after 10 ms idle, {label} | {p50:.1f} µs | {p99:.1f} µs | (cold CPU) |")
+    rep = results["repeat_hit"]
+    lines.append(
+        f"| repeat hit, same process | {rep['p50_us']:.1f} µs | {rep['p99_us']:.1f} µs | p50 ≤ 5 µs |"
+    )
+    put = results["put_8mib"]
+    lines.append(
+        f"| put 8 MiB vs memcpy 8 MiB | {put['put_ms']:.2f} ms vs {put['memcpy_ms']:.2f} ms "
+        f"| {put['ratio']:.2f}x | ≤ 2x |"
+    )
+    wake = results["wake_up"]
+    p50, worst = wake["p50_ms"], wake["max_ms"]
+    lines.append(f"| waiters return after the commit | {p50:.2f} ms | max {worst:.2f} ms | ≤ 1 ms |")
+    mem = results["node_memory_8_processes"]
+    lines.append(
+        f"| node memory, 8 readers of {mem['entries_gib']:.2f} GiB | {mem['node_total_gib']:.2f} GiB "
+        f"| shared {mem['shared_gib']:.2f} + private {mem['readers_private_gib']:.3f}; "
+        f"per-process caches {mem['per_process_caches_gib']:.1f} GiB | ≈ 1x |"
+    )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="fewer rounds, 128 MiB instead of 1 GiB")
+    parser.add_argument("--json", help="also write the raw figures to this file")
+    args = parser.parse_args(argv)
+    results = run(args.quick)
+    print(report(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
