@@ -54,6 +54,7 @@ __all__ = ["EmbeddingCache", "Reservation"]
 log = logging.getLogger("shmcache")
 RequestId = Hashable
 _RELEASE_BATCH_S = 0.005
+_RELEASE_WAIT_S = 0.1  # how long flush_releases waits for a batch the release thread holds
 _open_caches: weakref.WeakSet[EmbeddingCache] = weakref.WeakSet()
 
 
@@ -178,6 +179,8 @@ class EmbeddingCache:
         self._destroyed = False
         self._detached = False
         self._state_lock = threading.Lock()
+        self._released = threading.Condition(self._state_lock)  # notified after each release batch
+        self._detach_lock = threading.RLock()
         self._local: dict[bytes, _Mapping] = {}
         self._requests: dict[RequestId, list[tuple[int, int]]] = {}
         self._live_views = 0
@@ -323,12 +326,39 @@ class EmbeddingCache:
             return
         for request_id in list(self._requests):
             self.cleanup_request(request_id)
-        gc.collect()  # views in reference cycles
         with self._state_lock:
             self._closed = True
+        self.flush_releases()
+        with self._state_lock:
             busy = self._live_views > 0
         if not busy:
             self._detach()
+
+    def flush_releases(self) -> None:
+        """Release the pins of views already garbage collected now, in this thread, instead of
+        within the release thread's few milliseconds; a closed cache then finishes its detach."""
+        if not self._enabled:
+            return
+        with self._detach_lock:
+            if self._detached:
+                return
+            gc.collect()  # views in reference cycles
+            pending: list[tuple[int, int] | None] = []
+            while True:
+                try:
+                    pending.append(self._releases.get_nowait())
+                except queue.Empty:
+                    break
+            if None in pending:
+                self._releases.put(None)  # the release thread's stop signal: leave it for that thread
+            pins: list[tuple[int, int] | None] = [item for item in pending if item is not None]
+            if pins:
+                self._release(pins)
+            with self._released:  # the release thread may hold a batch it took just before us
+                self._released.wait_for(lambda: self._live_views == 0, timeout=_RELEASE_WAIT_S)
+                done = self._closed and self._live_views == 0
+            if done:
+                self._detach()
 
     def _force_close(self) -> None:
         """Detach now even if views are alive (interpreter exit: nothing will read them again)."""
@@ -563,28 +593,28 @@ class EmbeddingCache:
         with self._state_lock:
             self._live_views -= len(pins)
             detach = self._closed and self._live_views == 0 and bool(pins)
+            self._released.notify_all()
         if detach:
             self._detach()
         return detach or len(pins) < len(batch)
 
     def _detach(self) -> None:
-        with self._state_lock:
+        with self._detach_lock:
             if self._detached:
                 return
+            self._releases.put(None)
+            node = self._node
+            if not self._destroyed:
+                try:
+                    with bootstrap_lock(
+                        self._names, self.config.mode, self.config.lock_timeout_s, create=False
+                    ) as held:
+                        if held:  # else the namespace was destroyed: nothing of ours is left
+                            node.detach_client()
+                            if not node.any_other_live():
+                                remove_objects(self._names)
+                except CacheClosed:
+                    pass  # destroyed already
+            self._local.clear()
             self._detached = True
-        self._releases.put(None)
-        _open_caches.discard(self)
-        node = self._node
-        if self._destroyed:
-            return
-        try:
-            with bootstrap_lock(
-                self._names, self.config.mode, self.config.lock_timeout_s, create=False
-            ) as held:
-                if held:  # else the namespace was destroyed: nothing of ours is left
-                    node.detach_client()
-                    if not node.any_other_live():
-                        remove_objects(self._names)
-        except CacheClosed:
-            pass  # destroyed already
-        self._local.clear()
+            _open_caches.discard(self)

@@ -10,6 +10,7 @@ USAGE = """usage: shmcache COMMAND [ARGS]
 
 commands:
   demo      encoder and prefill processes sharing one node cache (see `shmcache demo --help`)
+  inspect   what this node's caches hold and who holds it (the same as `shmcache-inspect`)
 """
 
 
@@ -23,5 +24,9 @@ def main(argv: list[str] | None = None) -> int:
         from shmcache.demo import main as demo
 
         return demo(rest)
+    if command == "inspect":
+        from shmcache.inspect import main as inspect
+
+        return inspect(rest)
     print(f"shmcache: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     return 2

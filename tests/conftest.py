@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import uuid
 from collections.abc import Iterator
 
 import pytest
 
-from shmcache import CacheConfig, EncoderPreprocessingConfig, destroy_namespace
+from shmcache import CacheConfig, EncoderPreprocessingConfig
 from tests.helpers import kernel_objects
 
 
@@ -22,11 +20,9 @@ def no_leaks() -> Iterator[None]:
 
 
 @pytest.fixture
-def namespace() -> Iterator[str]:
-    """A unique namespace, destroyed after the test whatever happened."""
-    name = f"test-{os.getpid()}-{uuid.uuid4().hex[:10]}"
-    yield name
-    destroy_namespace(name)
+def namespace(shmcache_namespace: str) -> str:
+    """The plugin's per-test namespace (leak-checked and destroyed after the test)."""
+    return shmcache_namespace
 
 
 @pytest.fixture

@@ -10,17 +10,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-SHM_DIR = "/dev/shm"
+from shmcache.testing import kernel_objects
 
-
-def kernel_objects() -> set[str]:
-    """Names of shmcache objects in /dev/shm plus the ids of every SysV IPC object."""
-    found = {f"shm:{n}" for n in os.listdir(SHM_DIR) if n.startswith("shmcache.")}
-    for table in ("sem", "shm", "msg"):
-        with open(f"/proc/sysvipc/{table}") as f:
-            next(f)
-            found |= {f"{table}:{line.split()[1]}" for line in f if line.strip()}
-    return found
+__all__ = ["kernel_objects", "kill", "spawn", "wait_for"]
 
 
 def spawn(target: Callable[..., Any], *args: Any) -> mp.process.BaseProcess:
