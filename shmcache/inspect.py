@@ -134,11 +134,13 @@ def gc_namespace(namespace: str) -> dict[str, Any]:
             remove_objects(names)
             return nothing
         node = NodeIndex(segments, 10.0)
-        node.attach_client()
+        dead = int(((node.client_states == 1) & ~node.live_clients()).sum())
+        node.attach_client()  # attaching reaps dead records already
         try:
             before = int((node.slots["state"] == 1).sum())
-            reaped = node.reap()
+            node.reap()
             freed = before - int((node.slots["state"] == 1).sum())
+            reaped = dead
         finally:
             node.detach_client()
             if not node.any_other_live():

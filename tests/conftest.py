@@ -9,6 +9,8 @@ import pytest
 from shmcache import CacheConfig, EncoderPreprocessingConfig
 from tests.helpers import kernel_objects
 
+pytest_plugins = ["pytester"]
+
 
 @pytest.fixture(autouse=True)
 def no_leaks() -> Iterator[None]:

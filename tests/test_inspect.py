@@ -1,0 +1,195 @@
+"""shmcache-inspect and the metrics, against live multi-process caches."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from importlib import resources
+
+import jsonschema
+import pytest
+import torch
+
+from shmcache import CacheConfig, EmbeddingCache
+from shmcache.inspect import main as inspect_main
+from shmcache.testing import ProcessPool
+from tests.workers import expected_value, key_of
+
+
+def run_inspect(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    code = inspect_main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def hold_view(cache: EmbeddingCache, name: str) -> None:
+    """Pool worker: hold a view of `name` with a request reference until killed."""
+    from shmcache.testing import checkpoint
+
+    view = cache.get(key_of(name), request_id="inspect-test")
+    assert view is not None
+    checkpoint("holding-view", pause=True)
+
+
+def test_show_lists_entries_references_and_holders(
+    shmcache_config: CacheConfig, shmcache_pool: ProcessPool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with EmbeddingCache(shmcache_config) as cache:
+        cache.put(key_of("a"), expected_value("a", 1000))
+        cache.put(key_of("b"), torch.zeros(3, 4, dtype=torch.float16))
+        holder = shmcache_pool.spawn(hold_view, "a")
+        holder.wait_checkpoint("holding-view", 60)
+        code, out, _ = run_inspect(capsys, "show", shmcache_config.namespace, "--json")
+        assert code == 0
+        snap = json.loads(out)
+        jsonschema.validate(
+            snap, json.loads(resources.files("shmcache").joinpath("inspect_schema.json").read_text())
+        )
+        by_key = {e["key"]: e for e in snap["entries"]}
+        a, b = by_key[key_of("a").hex[:16]], by_key[key_of("b").hex[:16]]
+        assert a["references"] == 2 and a["holder_pids"] == [holder.pid]  # its view pin and its request ref
+        assert a["arrays"] == [{"dtype": "bfloat16", "shape": [1000]}] and a["state"] == "sealed"
+        assert b["references"] == 0 and b["holder_pids"] == [] and b["arrays"][0]["shape"] == [3, 4]
+        assert snap["stats"]["clients"] == 2 and snap["live"]
+        assert {c["pid"] for c in snap["clients"]} >= {holder.pid}
+        code, out, _ = run_inspect(capsys, "show", shmcache_config.namespace)
+        assert (
+            code == 0 and key_of("a").hex[:16] in out and str(holder.pid) in out and "bfloat16[1000]" in out
+        )
+        code, out, _ = run_inspect(capsys, "list")
+        assert shmcache_config.namespace in out and "live" in out
+        holder.kill()
+
+
+def test_owner_killed_mid_compute_is_shown_dead_and_gc_reaps_it(
+    shmcache_config: CacheConfig, shmcache_pool: ProcessPool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with EmbeddingCache(shmcache_config) as cache:
+        dead = shmcache_pool.crash("computing", key_of("k"))
+        code, out, _ = run_inspect(capsys, "show", shmcache_config.namespace, "--json")
+        snap = json.loads(out)
+        assert snap["reservations"] == [
+            {
+                "slot": snap["reservations"][0]["slot"],
+                "key": key_of("k").hex[:16],
+                "generation": 1,
+                "owner_pid": dead.pid,
+                "owner_alive": False,
+            }
+        ]
+        assert any(c["pid"] == dead.pid and not c["alive"] for c in snap["clients"])
+        code, out, _ = run_inspect(capsys, "show", shmcache_config.namespace)
+        assert "DEAD" in out
+        code, out, _ = run_inspect(capsys, "gc", shmcache_config.namespace)
+        assert code == 0 and "reaped 1 dead process record(s), freed 1 dead reservation(s)" in out
+        snap = json.loads(run_inspect(capsys, "show", shmcache_config.namespace, "--json")[1])
+        assert snap["reservations"] == [] and all(c["alive"] for c in snap["clients"])
+        assert cache.stats()["reaped_clients"] == 1
+
+
+def test_destroy_refuses_while_attached(
+    shmcache_config: CacheConfig, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cache = EmbeddingCache(shmcache_config)
+    code, _, err = run_inspect(capsys, "destroy", shmcache_config.namespace)
+    assert code == 1 and "refusing" in err
+    code, out, _ = run_inspect(capsys, "destroy", shmcache_config.namespace, "--force")
+    assert code == 0 and "destroyed" in out
+    cache.close()
+
+
+def test_read_only_commands_do_not_change_the_cache(
+    shmcache_config: CacheConfig, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with EmbeddingCache(shmcache_config) as cache:
+        cache.put(key_of("x"), expected_value("x", 10))
+        before = bytes(cache._segments.index)
+        for args in (
+            ("list",),
+            ("show", shmcache_config.namespace),
+            ("show", shmcache_config.namespace, "--json"),
+        ):
+            assert run_inspect(capsys, *args)[0] == 0
+        assert bytes(cache._segments.index) == before
+
+
+def test_unknown_namespace_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run_inspect(capsys, "show", "no-such-namespace-here")
+    assert code == 1 and "does not exist" in err
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_serve_metrics_on_loopback(shmcache_config: CacheConfig) -> None:
+    with EmbeddingCache(shmcache_config) as cache:
+        cache.get_or_compute(key_of("m"), lambda: expected_value("m", 64))
+        cache.get(key_of("m"))
+        port = _free_port()
+        server = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "shmcache",
+                "inspect",
+                "serve-metrics",
+                shmcache_config.namespace,
+                "--port",
+                str(port),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert "127.0.0.1" in (server.stdout.readline() if server.stdout else "")
+            text = ""
+            for _ in range(50):
+                try:
+                    text = (
+                        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+                    )
+                    break
+                except OSError:
+                    time.sleep(0.1)
+            samples = _samples(text)
+            ns = shmcache_config.namespace
+            assert samples[("shmcache_computes_total", (("namespace", ns),))] == 1
+            assert samples[("shmcache_hits_total", (("layer", "node"), ("namespace", ns)))] == 1
+            assert samples[("shmcache_entries", (("namespace", ns),))] == 1
+            with open("/proc/net/tcp") as f:  # listening only on 127.0.0.1
+                listening = [line.split()[1] for line in f if line.split()[3] == "0A"]
+            assert f"0100007F:{port:04X}" in listening
+        finally:
+            server.terminate()
+            server.wait(10)
+
+
+def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def test_collector_inside_a_process(shmcache_config: CacheConfig) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from shmcache.metrics import ShmCacheCollector
+
+    with EmbeddingCache(shmcache_config) as cache:
+        cache.put(key_of("c"), expected_value("c", 8))
+        registry = CollectorRegistry()
+        registry.register(ShmCacheCollector([shmcache_config.namespace, "absent-namespace"]))
+        text = generate_latest(registry).decode()
+        assert _samples(text)[("shmcache_puts_total", (("namespace", shmcache_config.namespace),))] == 1
+        assert "absent-namespace" not in text
