@@ -46,6 +46,7 @@ from shmcache.namespace import (
 )
 from shmcache.node import FAILED, UNCACHEABLE, NodeIndex, SlotInfo, needle_of
 from shmcache.preprocessing import EncoderPreprocessingConfig
+from shmcache.remote import RemoteStore, remote_key
 from shmcache.semaphores import SemaphoreTimeout
 from shmcache.values import Value
 
@@ -187,7 +188,13 @@ class EmbeddingCache:
         self._releases: queue.SimpleQueue[tuple[int, int] | None] = queue.SimpleQueue()
         self._drain = threading.Thread(target=self._drain_releases, name="shmcache-release", daemon=True)
         self._drain.start()
+        self._remote: RemoteStore | None = None
+        self._staging: np.ndarray | None = None
+        self._staging_lock = threading.Lock()
+        self._poisoned: list[np.ndarray] = []  # staging buffers a failed transfer may still write into
         _open_caches.add(self)
+        if config.remote_master is not None:
+            self._open_remote(config)
 
     # ----------------------------------------------------------------- keys
     def key_from_raw_bytes(
@@ -273,7 +280,8 @@ class EmbeddingCache:
                 return value
 
     def reserve(self, key: EmbeddingCacheKey, request_id: RequestId | None = None) -> Reservation:
-        """Get the value, or the node-wide right to compute it (see `Reservation`).
+        """Get the value, or the node-wide right to compute it (see `Reservation`). With a remote
+        store, a node miss is pulled from it under the reservation (one pull per node).
 
         Blocks while another thread or process holds the reservation, at most `compute_timeout_s`
         (then `ComputeTimeout`). Raises `ComputeFailed` if that holder failed.
@@ -282,6 +290,14 @@ class EmbeddingCache:
             return Reservation(self, key, request_id)
         res = self._reserve(key, request_id, wait=True)
         assert res is not None
+        if res.owned and self._remote is not None:
+            try:
+                pulled = self._pull(res)  # a node miss: look in the store, under our reservation
+            except BaseException:
+                res.abandon("pulling from the remote store failed")
+                raise
+            if pulled is not None:
+                return Reservation(self, key, request_id, value=pulled)
         return res
 
     def cleanup_request(self, request_id: RequestId) -> int:
@@ -326,6 +342,8 @@ class EmbeddingCache:
             return
         for request_id in list(self._requests):
             self.cleanup_request(request_id)
+        if self._remote is not None:
+            self._remote.close()  # waits for queued publishes, which hold pins
         with self._state_lock:
             self._closed = True
         self.flush_releases()
@@ -460,6 +478,7 @@ class EmbeddingCache:
         request_id: RequestId | None,
         *,
         deliver: bool = True,
+        publish: bool = True,
     ) -> Value:
         """Store `value` for reservation (slot, gen) and seal it. Any failure before the seal
         abandons the reservation (waiters learn why). Returns the cached view when `deliver`."""
@@ -488,6 +507,8 @@ class EmbeddingCache:
             raise ReservationLost(f"{key!r}: reservation (slot {slot}, gen {gen}) was taken over")
         node.count("puts")
         node.count("bytes_put", size)
+        if publish:
+            self._publish(key, slot, gen, offset, size)
         if not info.pinned:
             return value  # stored for everyone; this process is out of pins, so it keeps its own value
         if not deliver:
@@ -497,6 +518,102 @@ class EmbeddingCache:
             return value
         result = self._deliver(key, info, request_id)
         return value if result is None else result
+
+    # ----------------------------------------------------------------- remote layer
+    def _open_remote(self, config: CacheConfig) -> None:
+        assert config.remote_master is not None
+        try:
+            self._remote = RemoteStore(
+                config.remote_master,
+                protocol=config.remote_protocol,
+                segment_bytes=config.remote_segment_bytes,
+                buffer_bytes=config.remote_buffer_bytes,
+                queue_size=config.remote_publish_queue,
+                strict=config.store_unavailable_mode == "strict",
+                count=self._node.count,
+            )
+        except BaseException:
+            self.close()
+            raise
+        arena = np.frombuffer(self._segments.arena, dtype=np.uint8)
+        self._arena_address = arena.ctypes.data
+        self._remote.register(self._arena_address, arena.nbytes)
+        del arena
+
+    def _pull(self, res: Reservation) -> Value | None:
+        """Under our reservation: copy the key's entry from Mooncake into node memory and seal it.
+
+        The transfer lands in a private staging buffer first (Mooncake may still write into memory
+        after a failed or timed-out call, which must never be arena memory that others read), is
+        verified (entry header and value format), then copied into the arena. None on any miss.
+        """
+        remote = self._remote
+        if remote is None or not remote.available:
+            return None
+        node = self._index()
+        name = remote_key(self.config.remote_key_prefix, res.key)
+        size = remote.size_of(name)
+        if size is None:
+            return None
+        if size <= entry.ENTRY_HEADER_SIZE or size > node.capacity:
+            node.count("remote_rejected")
+            return None
+        with self._staging_lock:
+            staging = self._staging
+            if staging is None or staging.nbytes < size:
+                staging = self._staging = np.empty(max(size, 1 << 20), dtype=np.uint8)
+                remote.register(staging.ctypes.data, staging.nbytes)
+            if not remote.get_into(name, staging.ctypes.data, size):
+                self._poisoned.append(staging)  # a late write may still land there: never reuse it
+                self._staging = None
+                return None
+            try:
+                body = entry.verify(staging[:size].data, res.key, None)
+                values.parse(body)
+            except CorruptValue as exc:
+                node.count("remote_rejected")
+                log.warning(
+                    "shmcache: rejected remote value %s: %s", name, str(exc)
+                )  # not exc: its traceback would keep frames (and views) alive
+                return None
+            value = self._store_pulled(res, staging[:size])
+        if value is not None:
+            node.count("hits_remote")
+        return value
+
+    def _store_pulled(self, res: Reservation, data: np.ndarray) -> Value | None:
+        """Seal a verified entry pulled from the store under reservation `res`."""
+        node = self._index()
+        slot, gen, size = res._slot, res._gen, data.nbytes
+        try:
+            offset = node.allocate(slot, gen, size)
+        except CapacityError:
+            return None
+        if offset is None:
+            raise ReservationLost(f"{res.key!r}: reservation (slot {slot}, gen {gen}) was taken over")
+        arena = np.frombuffer(self._segments.arena, dtype=np.uint8, count=size, offset=offset)
+        arena[:] = data
+        entry.set_generation(arena.data, gen)
+        del arena
+        res._open = False
+        info = node.seal(slot, gen, self._pins_for(res.request_id))
+        if info is None:
+            raise ReservationLost(f"{res.key!r}: reservation (slot {slot}, gen {gen}) was taken over")
+        if not info.pinned:
+            return self.get(res.key, res.request_id)
+        return self._deliver(res.key, info, res.request_id)
+
+    def _publish(self, key: EmbeddingCacheKey, slot: int, gen: int, offset: int, size: int) -> None:
+        """Queue the publish of a freshly computed entry, pinned until the store has read it."""
+        remote = self._remote
+        if remote is None or not remote.available:
+            return
+        node = self._index()
+        if not node.add_ref(slot, gen):
+            return
+        name = remote_key(self.config.remote_key_prefix, key)
+        if not remote.publish(name, self._arena_address + offset, size, lambda: node.unpin(slot, gen, 1)):
+            node.unpin(slot, gen, 1)
 
     def _deliver(self, key: EmbeddingCacheKey, info: SlotInfo, request_id: RequestId | None) -> Value | None:
         """Turn a pinned entry into the returned value. Pins taken for it: a view pin (view mode)
@@ -513,7 +630,7 @@ class EmbeddingCache:
             value = values.materialize(holder, parsed, copy=clone, base=entry.ENTRY_HEADER_SIZE)
         except CorruptValue as exc:
             node.count("corrupt_records")
-            log.warning("shmcache: dropping entry %r: %s", key, exc)
+            log.warning("shmcache: dropping entry %r: %s", key, str(exc))
             node.unpin(info.slot, info.gen, self._pins_for(request_id))
             node.drop(info.slot, info.gen)
             return None
@@ -589,7 +706,7 @@ class EmbeddingCache:
         try:
             self._node.unpin_many(pins)
         except Exception as exc:  # the namespace was destroyed under us, or similar
-            log.debug("shmcache: releasing view pins failed: %s", exc)
+            log.debug("shmcache: releasing view pins failed: %s", str(exc))
         with self._state_lock:
             self._live_views -= len(pins)
             detach = self._closed and self._live_views == 0 and bool(pins)

@@ -40,6 +40,13 @@ class CacheConfig:
     max_clients: int = 64
     max_pins_per_process: int = 4096
     mode: int = 0o600
+    remote_master: str | None = None
+    remote_protocol: str = "tcp"
+    remote_segment_bytes: int = 256 << 20
+    remote_buffer_bytes: int = 64 << 20
+    remote_key_prefix: str = "shmcache"
+    remote_publish_queue: int = 64
+    store_unavailable_mode: Literal["degrade", "strict"] = "degrade"
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -59,6 +66,15 @@ class CacheConfig:
         _require(self.return_mode in ("view", "clone"), "return_mode must be 'view' or 'clone'")
         _require(self.hash_algorithm in HASH_ALGORITHMS, f"hash_algorithm must be one of {HASH_ALGORITHMS}")
         _require(self.mode & 0o777 == self.mode and self.mode & 0o600 == 0o600, "mode must include 0o600")
+        _require(
+            self.store_unavailable_mode in ("degrade", "strict"),
+            "store_unavailable_mode must be 'degrade' or 'strict'",
+        )
+        _require(self.remote_publish_queue >= 1, "remote_publish_queue must be >= 1")
+        _require(
+            self.remote_master is None or ":" in self.remote_master, "remote_master must be HOST:PORT or None"
+        )
+        _require("@" not in self.remote_key_prefix, "remote_key_prefix must not contain '@'")
 
     @property
     def n_stripes(self) -> int:

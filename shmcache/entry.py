@@ -72,6 +72,11 @@ def verify(buffer: memoryview, key: EmbeddingCacheKey, gen: int | None) -> memor
     return buffer[ENTRY_HEADER_SIZE : ENTRY_HEADER_SIZE + length]
 
 
+def set_generation(buffer: memoryview, gen: int) -> None:
+    """Rewrite an entry header's generation (an entry pulled from another node gets ours)."""
+    struct.pack_into("<Q", buffer, 16, gen)
+
+
 def checksum_matches(buffer: memoryview) -> bool:
     """True if the entry has no checksum or its value still matches it."""
     _m, _a, flags, _p, length, _g, checksum, _d = ENTRY.unpack_from(buffer, 0)

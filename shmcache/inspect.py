@@ -63,6 +63,8 @@ def render(snap: NamespaceSnapshot) -> str:
         f"evictions {s['evictions_lru']} lru + {s['evictions_ttl']} ttl, uncacheable {s['uncacheable']}, "
         f"failures {s['compute_failures']}, timeouts {s['timeouts']}, corrupt {s['corrupt_records']}, "
         f"repairs {s['repairs']}, reaped {s['reaped_clients']}",
+        f"remote: hits {s['hits_remote']}, published {s['remote_publishes']}, "
+        f"dropped {s['remote_publish_drops']}, errors {s['remote_errors']}, rejected {s['remote_rejected']}",
         "",
         "processes",
         _table(

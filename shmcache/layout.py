@@ -57,6 +57,11 @@ COUNTERS: Final = (
     "corrupt_records",
     "repairs",
     "reaped_clients",
+    "hits_remote",
+    "remote_publishes",
+    "remote_publish_drops",
+    "remote_errors",
+    "remote_rejected",
 )
 N_COUNTERS: Final = len(COUNTERS)
 

@@ -33,6 +33,11 @@ _COUNTERS = {
     "corrupt_records": "Damaged index records or entries dropped",
     "repairs": "Sections repaired after a holder died inside",
     "reaped_clients": "Dead processes' records reaped",
+    "hits_remote": "Node misses served by a pull from Mooncake Store",
+    "remote_publishes": "Entries published to Mooncake Store",
+    "remote_publish_drops": "Publishes dropped because the publish queue was full",
+    "remote_errors": "Mooncake transfer or RPC errors",
+    "remote_rejected": "Remote values rejected (corrupt or foreign)",
 }
 _GAUGES = {
     "entries": "Sealed entries",

@@ -12,6 +12,9 @@ Fixtures (all named `shmcache_*`):
   returns results or re-raises a worker's exception with its remote traceback, enforces the timeout,
   and every worker is reaped afterwards. `pool.crash(point, key)` SIGKILLs a worker while computing,
   after reserve, or while holding a view.
+- `shmcache_mooncake`: a real `mooncake_master` on 127.0.0.1 with free ports (a
+  `shmcache.testing.MooncakeMaster`: `.address`, `.kill()`), stopped after the test; skips, naming
+  what is missing, if the Mooncake package or its system libraries are not installed.
 
 Options (command line or ini): `--shmcache-capacity` / `shmcache_capacity_bytes` (default 64 MiB),
 `--shmcache-timeout` / `shmcache_timeout` (pool timeout, default 60 s), `--shmcache-no-leak-check` /
@@ -31,11 +34,12 @@ from shmcache.cache import EmbeddingCache, _open_caches
 from shmcache.config import CacheConfig
 from shmcache.errors import ShmCacheError
 from shmcache.namespace import destroy_namespace
-from shmcache.testing import ProcessPool, namespace_objects
+from shmcache.testing import MooncakeMaster, ProcessPool, namespace_objects
 
 __all__ = [
     "shmcache_cache",
     "shmcache_config",
+    "shmcache_mooncake",
     "shmcache_namespace",
     "shmcache_pool",
 ]
@@ -104,6 +108,17 @@ def shmcache_cache(shmcache_config: CacheConfig) -> Iterator[EmbeddingCache]:
     cache = EmbeddingCache(shmcache_config)
     yield cache
     cache.close()
+
+
+@pytest.fixture
+def shmcache_mooncake() -> Iterator[MooncakeMaster]:
+    """A Mooncake master on loopback for this test (skips if Mooncake is not installed)."""
+    missing = MooncakeMaster.missing()
+    if missing:
+        pytest.skip(f"Mooncake is not usable here: {missing}")
+    master = MooncakeMaster()
+    yield master
+    master.kill()
 
 
 @pytest.fixture

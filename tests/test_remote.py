@@ -1,0 +1,146 @@
+"""The remote layer against a real mooncake_master on loopback (the shmcache_mooncake fixture)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from shmcache import CacheConfig, EmbeddingCache, destroy_namespace
+from shmcache.remote import RemoteStore, RemoteUnavailable, free_port, remote_key
+from shmcache.testing import MooncakeMaster, ProcessPool
+from tests.helpers import wait_for
+from tests.workers import expected_value, fingerprint, key_of
+
+
+def remote_config(namespace: str, master: str, **extra: object) -> CacheConfig:
+    fields: dict[str, object] = dict(
+        enable_embedding_cache=True,
+        namespace=namespace,
+        capacity_bytes=64 << 20,
+        remote_master=master,
+        remote_segment_bytes=64 << 20,
+        remote_buffer_bytes=16 << 20,
+        remote_key_prefix=f"test-{uuid.uuid4().hex[:8]}",
+    )
+    fields.update(extra)
+    return CacheConfig(**fields)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def other_namespace() -> Iterator[str]:
+    """A second node's namespace."""
+    name = f"node-b-{uuid.uuid4().hex[:10]}"
+    yield name
+    destroy_namespace(name)
+
+
+def compute_marked(cache: EmbeddingCache, name: str) -> tuple[bytes, int]:
+    """Pool worker on node B: get_or_compute, failing loudly if it has to compute."""
+    value = cache.get_or_compute(key_of(name), lambda: pytest.fail("node B computed instead of pulling"))
+    return fingerprint(value), cache.stats()["hits_remote"]
+
+
+def test_node_b_pulls_once_for_four_processes(
+    shmcache_mooncake: MooncakeMaster, shmcache_namespace: str, other_namespace: str
+) -> None:
+    node_a = remote_config(shmcache_namespace, shmcache_mooncake.address)
+    node_b = dataclasses.replace(node_a, namespace=other_namespace)
+    with EmbeddingCache(node_a) as a:
+        value = a.get_or_compute(key_of("shared"), lambda: expected_value("shared", 1 << 20))
+        wait_for(lambda: a.stats()["remote_publishes"] == 1, what="the publish")
+        with EmbeddingCache(node_b) as b, ProcessPool(node_b) as pool:
+            results = pool.run(compute_marked, "shared", processes=4)
+            assert {fp for fp, _ in results} == {fingerprint(value)}
+            stats = b.stats()
+            assert stats["hits_remote"] == 1 and stats["computes"] == 0  # one pull for the node
+            assert stats["coalesced_waits"] + stats["hits_node"] >= 3
+        assert a.stats()["computes"] == 1
+
+
+def test_degrade_mode_without_a_master_runs_node_local(
+    shmcache_namespace: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = remote_config(shmcache_namespace, f"127.0.0.1:{free_port()}")
+    with caplog.at_level(logging.WARNING, logger="shmcache"), EmbeddingCache(config) as cache:
+        value = cache.get_or_compute(key_of("x"), lambda: expected_value("x"))
+        assert fingerprint(value) == fingerprint(expected_value("x"))
+        del value
+        assert cache.stats()["computes"] == 1
+    assert sum("remote layer off" in r.message for r in caplog.records) == 1
+
+
+def test_strict_mode_without_a_master_fails_naming_the_address(shmcache_namespace: str) -> None:
+    address = f"127.0.0.1:{free_port()}"
+    with pytest.raises(RemoteUnavailable, match=address):
+        EmbeddingCache(remote_config(shmcache_namespace, address, store_unavailable_mode="strict"))
+
+
+def test_master_killed_mid_run_degrades_without_losing_node_entries(
+    shmcache_mooncake: MooncakeMaster, shmcache_namespace: str
+) -> None:
+    with EmbeddingCache(remote_config(shmcache_namespace, shmcache_mooncake.address)) as cache:
+        cache.get_or_compute(key_of("before"), lambda: expected_value("before"))
+        wait_for(lambda: cache.stats()["remote_publishes"] == 1, what="the publish")
+        shmcache_mooncake.kill()
+        assert fingerprint(cache.get(key_of("before"))) == fingerprint(expected_value("before"))
+        value = cache.get_or_compute(key_of("after"), lambda: expected_value("after"))
+        assert fingerprint(value) == fingerprint(expected_value("after"))
+        time.sleep(0.5)
+        assert cache.get(key_of("after")) is not None and cache.get(key_of("before")) is not None
+
+
+def test_a_full_publish_queue_is_counted_as_drops(
+    shmcache_mooncake: MooncakeMaster, shmcache_namespace: str
+) -> None:
+    import threading
+
+    config = remote_config(shmcache_namespace, shmcache_mooncake.address, remote_publish_queue=1)
+    with EmbeddingCache(config) as cache:
+        remote = cache._remote
+        assert remote is not None and remote.available
+        busy = threading.Event()
+        for _ in range(2):  # occupy both publisher threads, as two slow transfers would
+            remote._executor.submit(busy.wait, 30)
+        started = time.monotonic()
+        for i in range(5):
+            cache.put(key_of(f"bulk-{i}"), torch.full((1 << 20,), i, dtype=torch.uint8))
+        assert time.monotonic() - started < 5  # never blocked on the full queue
+        stats = cache.stats()
+        assert stats["remote_publish_drops"] == 4  # one queued, four dropped
+        busy.set()
+        wait_for(lambda: cache.stats()["remote_publishes"] == 1, what="the queued publish")
+
+
+def test_corrupt_or_foreign_remote_values_are_rejected(
+    shmcache_mooncake: MooncakeMaster, shmcache_namespace: str
+) -> None:
+    config = remote_config(shmcache_namespace, shmcache_mooncake.address)
+    writer = RemoteStore(
+        shmcache_mooncake.address,
+        protocol="tcp",
+        segment_bytes=32 << 20,
+        buffer_bytes=8 << 20,
+        queue_size=4,
+        strict=True,
+        count=lambda name, n: None,
+    )
+    try:
+        import numpy as np
+
+        garbage = np.frombuffer(b"SHME" + bytes(200), dtype=np.uint8).copy()
+        writer.register(garbage.ctypes.data, garbage.nbytes)
+        name = remote_key(config.remote_key_prefix, key_of("evil"))
+        assert writer._store.put_from(name, garbage.ctypes.data, garbage.nbytes) == 0
+        with EmbeddingCache(config) as cache:
+            value = cache.get_or_compute(key_of("evil"), lambda: expected_value("evil"))
+            assert fingerprint(value) == fingerprint(expected_value("evil"))
+            stats = cache.stats()
+            assert stats["remote_rejected"] == 1 and stats["hits_remote"] == 0 and stats["computes"] == 1
+    finally:
+        writer.close()

@@ -1,0 +1,130 @@
+"""Cross-node hits through Mooncake Store against a raw Mooncake `get_into` and against recomputing.
+
+    python -m tools.bench_remote [--rounds 5]
+
+Node A (one namespace) computes and publishes an 8 MiB and a 100 MiB entry. Node B (another
+namespace, fresh each round) gets them: a node miss, one pull from the store under the reservation,
+verification, and the copy into node memory. "raw get_into" is a bare Mooncake client reading the
+same object into registered memory. "recompute" is a CPU matmul forward with the same output size.
+Everything runs on loopback against a real mooncake_master.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import uuid
+
+import numpy as np
+import torch
+
+from shmcache import CacheConfig, EmbeddingCache, destroy_namespace
+from shmcache.remote import RemoteStore, remote_key
+from shmcache.testing import MooncakeMaster
+from tools.bench_node import key
+
+SIZES = {"8 MiB": 8 << 20, "100 MiB": 100 << 20}
+
+
+def _config(namespace: str, master: str, prefix: str) -> CacheConfig:
+    return CacheConfig(
+        enable_embedding_cache=True,
+        namespace=namespace,
+        capacity_bytes=320 << 20,
+        remote_master=master,
+        remote_segment_bytes=512 << 20,
+        remote_buffer_bytes=16 << 20,
+        remote_key_prefix=prefix,
+        store_unavailable_mode="strict",
+    )
+
+
+def _forward(nbytes: int) -> torch.Tensor:
+    rows = nbytes // (1024 * 4)
+    x = torch.randn(rows, 1024)
+    w = torch.randn(1024, 1024)
+    return x @ w
+
+
+def run(rounds: int) -> list[dict[str, float | str]]:
+    master = MooncakeMaster()
+    prefix = f"bench-{uuid.uuid4().hex[:6]}"
+    node_a = _config(f"bench-a-{uuid.uuid4().hex[:6]}", master.address, prefix)
+    rows: list[dict[str, float | str]] = []
+    try:
+        with EmbeddingCache(node_a) as a:
+            for label, nbytes in SIZES.items():
+                a.put(key(label), torch.ones(nbytes - 4096, dtype=torch.uint8))
+            deadline = time.monotonic() + 60
+            while a.stats()["remote_publishes"] < len(SIZES) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            raw = RemoteStore(
+                master.address,
+                protocol="tcp",
+                segment_bytes=16 << 20,
+                buffer_bytes=16 << 20,
+                queue_size=1,
+                strict=True,
+                count=lambda name, n: None,
+            )
+            for label, nbytes in SIZES.items():
+                name = remote_key(prefix, key(label))
+                size = raw.size_of(name) or 0
+                target = np.empty(size, dtype=np.uint8)
+                raw.register(target.ctypes.data, size)
+                raw_times, pull_times, compute_times = [], [], []
+                for _ in range(rounds):
+                    t0 = time.perf_counter()
+                    assert raw.get_into(name, target.ctypes.data, size)
+                    raw_times.append(time.perf_counter() - t0)
+                    node_b = _config(f"bench-b-{uuid.uuid4().hex[:6]}", master.address, prefix)
+                    with EmbeddingCache(node_b) as b:
+                        t0 = time.perf_counter()
+                        value = b.get_or_compute(key(label), lambda: None)
+                        pull_times.append(time.perf_counter() - t0)
+                        assert value is not None and b.stats()["hits_remote"] == 1
+                        del value
+                    destroy_namespace(node_b.namespace)
+                    t0 = time.perf_counter()
+                    _forward(nbytes)
+                    compute_times.append(time.perf_counter() - t0)
+                raw_ms = statistics.median(raw_times) * 1e3
+                pull_ms = statistics.median(pull_times) * 1e3
+                rows.append(
+                    {
+                        "size": label,
+                        "raw_get_into_ms": raw_ms,
+                        "cross_node_hit_ms": pull_ms,
+                        "speed_vs_raw": raw_ms / pull_ms,
+                        "recompute_ms": statistics.median(compute_times) * 1e3,
+                    }
+                )
+            raw.close()
+    finally:
+        master.kill()
+        destroy_namespace(node_a.namespace)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args(argv)
+    rows = run(args.rounds)
+    print(
+        "| value | raw get_into | cross-node hit (pull, verify, copy, seal) | vs raw | recompute (matmul) |"
+    )
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['size']} | {r['raw_get_into_ms']:.1f} ms | {r['cross_node_hit_ms']:.1f} ms "
+            f"| {r['speed_vs_raw']:.2f}x | {r['recompute_ms']:.1f} ms |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
