@@ -33,27 +33,9 @@ from shmcache import (
     ComputeTimeout,
     EmbeddingCache,
     EmbeddingCacheKey,
-    EncoderPreprocessingConfig,
     destroy_namespace,
 )
-
-PCONFIG = EncoderPreprocessingConfig(
-    cache_schema_version=1,
-    model_id="stress",
-    model_revision="0",
-    encoder_config_hash="0",
-    processor_version="0",
-    resize_mode="bilinear",
-    image_size=(224, 224),
-    crop_mode="center",
-    normalize_mean=(0.5,),
-    normalize_std=(0.5,),
-    audio_sample_rate=0,
-    audio_codec_version="",
-    audio_codec_config_hash="",
-    video_frame_stride=0,
-    input_dtype="uint8",
-)
+from tools.bench_keys import CONFIG as PCONFIG
 
 
 def key(i: int) -> EmbeddingCacheKey:
