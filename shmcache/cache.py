@@ -609,7 +609,12 @@ class EmbeddingCache:
         if remote is None or not remote.available:
             return
         node = self._index()
-        if not node.add_ref(slot, gen):
+        try:
+            if not node.add_ref(slot, gen):
+                return
+        except Exception as exc:  # out of pins, a lock timeout: the value is stored, skip the publish
+            node.count("remote_publish_drops")
+            log.info("shmcache: not publishing %r: %s", key, str(exc))
             return
         name = remote_key(self.config.remote_key_prefix, key)
         if not remote.publish(name, self._arena_address + offset, size, lambda: node.unpin(slot, gen, 1)):
@@ -634,6 +639,9 @@ class EmbeddingCache:
             node.unpin(info.slot, info.gen, self._pins_for(request_id))
             node.drop(info.slot, info.gen)
             return None
+        except BaseException:  # ViewMutated, MemoryError, ...: give the pins back, then report it
+            node.unpin(info.slot, info.gen, self._pins_for(request_id))
+            raise
         with self._state_lock:
             if request_id is not None:
                 self._requests.setdefault(request_id, []).append((info.slot, info.gen))

@@ -188,6 +188,9 @@ def open_existing(names: ObjectNames, config: CacheConfig | None) -> Segments | 
     index = _open_shm(names.index)
     if index is None:
         return None
+    if len(index) >= HEADER_SIZE and index[: len(MAGIC)] == bytes(len(MAGIC)):
+        index.close()  # never written: its creator died before the header (we hold the bootstrap lock)
+        return None
     try:
         (
             layout_version,
@@ -259,8 +262,10 @@ def create(names: ObjectNames, config: CacheConfig) -> Segments:
     created: list[str] = []
     sems: SemaphoreSet | None = None
     try:
+        # order matters for a creator killed midway: the index (all zeros: stale) first, then the
+        # semaphore set, named in the header right away (so a wiper finds and removes it), and the
+        # slow arena reservation last; `ready` is set only when everything exists
         index = _create_shm(names.index, layout.size, config.mode, created)
-        arena = _create_shm(names.arena, config.capacity_bytes, config.mode, created)
         sems = SemaphoreSet.create(layout.semaphores, config.mode)
         sig = secrets.randbelow((1 << 30) - 1) + 1
         sems.set_value(layout.signature_sem, sig & 0x7FFF)
@@ -286,6 +291,7 @@ def create(names: ObjectNames, config: CacheConfig) -> Segments:
             -1,
             config.mode,
         )
+        arena = _create_shm(names.arena, config.capacity_bytes, config.mode, created)
         index[H_READY : H_READY + 4] = (1).to_bytes(4, "little")
         return Segments(names, layout, index, arena, config.capacity_bytes, sems)
     except BaseException:

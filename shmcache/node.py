@@ -175,6 +175,7 @@ class NodeIndex:
         self.client = -1
         self._pins: dict[tuple[int, int], list[int]] = {}  # (slot, gen) -> [pin index, count]
         self._free_pins = list(range(layout.pins - 1, -1, -1))
+        self._reservations: set[int] = set()  # slots whose reservation semaphore this process holds
         self._pin_lock = threading.Lock()
         self._counter_lock = threading.Lock()
         buf = segments.index
@@ -465,20 +466,21 @@ class NodeIndex:
                 gen = fields[2]
                 if self.sems.value(self.layout.slot_sem(slot)) != 0:
                     return Claim("wait", slot, gen)
-                if not self.sems.try_acquire(self.layout.slot_sem(slot)):
+                if not self._acquire_reservation(slot):
                     return Claim("wait", slot, gen)  # raced with a live owner's release: look again
                 self._write_slot(slot, RESERVED, self.client, gen + 1, 0, 0, 0.0, 0)
                 self.count("takeovers")
                 return Claim("owner", slot, gen + 1, takeover=True)
+            meta = _META.pack(MODALITIES.index(key.modality), _KINDS.index(key.kind))
             victim = self._victim_in(stripe, now)
-            if victim is None or not self.sems.try_acquire(self.layout.slot_sem(victim)):
+            if victim is None or not self._acquire_reservation(victim):
                 return Claim("full")
             slot = victim
             gen = self.slot_fields(slot)[2] + 1
             koff = self.layout.key_off(slot)
             self.idx[koff : koff + KEY_SIZE] = needle
             meta_off = self.layout.slot_off(slot) + _META_OFF
-            _META.pack_into(self.idx, meta_off, MODALITIES.index(key.modality), _KINDS.index(key.kind))
+            self.idx[meta_off : meta_off + _META.size] = meta
             self._write_slot(slot, RESERVED, self.client, gen, 0, 0, 0.0, 0)
             return Claim("owner", slot, gen)
 
@@ -494,7 +496,9 @@ class NodeIndex:
                 continue
             state, _owner, _gen, _offset, _size, _sealed_at, refs = fields
             if state == EMPTY:
-                return slot
+                if self.sems.value(self.layout.slot_sem(slot)) == 0:
+                    return slot
+                continue  # emptied by a repair while its owner lives on: that owner still holds it
             if state == SEALED and refs == 0:
                 rank = -1.0 if self.expired(slot, now) else self.last_access(slot)
                 if best is None or rank < best[1]:
@@ -594,38 +598,63 @@ class NodeIndex:
                     return True
         return False
 
-    def seal(self, slot: int, gen: int, pins: int) -> SlotInfo | None:
-        """Fenced seal: publish (slot, gen) with `pins` pins for this client; None if fenced off."""
-        with self.stripe_section(slot // self.layout.ways):
-            fields = self._read_slot(slot)
-            if fields is None or fields[:3] != (RESERVED, self.client, gen):
-                return None
-            _state, _owner, _gen, offset, size, _sealed, _refs = fields
-            now = time.monotonic()
-            pinned = True
-            try:
-                if pins:
-                    self._pin(slot, gen, pins)
-            except CapacityError:  # this process holds too many pins: seal for everyone else anyway
-                pins, pinned = 0, False
-            self.touch(slot, now)
-            self._write_slot(slot, SEALED, self.client, gen, offset, size, now, pins)
+    def _acquire_reservation(self, slot: int) -> bool:
+        """Take slot's reservation semaphore without waiting; remember that this process holds it."""
+        if not self.sems.try_acquire(self.layout.slot_sem(slot)):
+            return False
+        with self._pin_lock:
+            self._reservations.add(slot)
+        return True
+
+    def _release_reservation(self, slot: int) -> None:
+        """Release slot's reservation semaphore if this process still holds it (waiters wake; if the
+        slot is still RESERVED they take it over with gen+1, which fencing makes safe)."""
+        with self._pin_lock:
+            held = slot in self._reservations
+            self._reservations.discard(slot)
+        if held:
             self.sems.release(self.layout.slot_sem(slot))
-            return SlotInfo(slot, gen, offset, size, pinned)
+
+    def seal(self, slot: int, gen: int, pins: int) -> SlotInfo | None:
+        """Fenced seal: publish (slot, gen) with `pins` pins for this client; None if fenced off.
+        Whatever happens, the reservation semaphore is released before this returns or raises."""
+        try:
+            with self.stripe_section(slot // self.layout.ways):
+                fields = self._read_slot(slot)
+                if fields is None or fields[:3] != (RESERVED, self.client, gen):
+                    return None
+                _state, _owner, _gen, offset, size, _sealed, _refs = fields
+                now = time.monotonic()
+                pinned = True
+                try:
+                    if pins:
+                        self._pin(slot, gen, pins)
+                except CapacityError:  # this process holds too many pins: seal for everyone else anyway
+                    pins, pinned = 0, False
+                self.touch(slot, now)
+                self._write_slot(slot, SEALED, self.client, gen, offset, size, now, pins)
+                self._release_reservation(slot)
+                return SlotInfo(slot, gen, offset, size, pinned)
+        finally:
+            self._release_reservation(slot)
 
     def abandon(self, slot: int, gen: int, kind: int, message: str) -> bool:
-        """Fenced abandon: free the reservation and record why for its waiters."""
-        with self.stripe_section(slot // self.layout.ways):
-            fields = self._read_slot(slot)
-            if fields is None or fields[:3] != (RESERVED, self.client, gen):
-                return False
-            eoff = self.layout.error_off(slot)
-            raw = message.encode("utf-8", "replace")[:ERROR_SIZE]
-            self.idx[eoff : eoff + ERROR_SIZE] = raw.ljust(ERROR_SIZE, b"\0")
-            S_ERROR.pack_into(self.idx, self.layout.slot_off(slot) + S_ERROR_OFF, gen, kind)
-            self._write_slot(slot, EMPTY, -1, gen, 0, 0, 0.0, 0)
-            self.sems.release(self.layout.slot_sem(slot))
-            return True
+        """Fenced abandon: free the reservation and record why for its waiters. Whatever happens,
+        the reservation semaphore is released before this returns or raises."""
+        try:
+            with self.stripe_section(slot // self.layout.ways):
+                fields = self._read_slot(slot)
+                if fields is None or fields[:3] != (RESERVED, self.client, gen):
+                    return False
+                eoff = self.layout.error_off(slot)
+                raw = message.encode("utf-8", "replace")[:ERROR_SIZE]
+                self.idx[eoff : eoff + ERROR_SIZE] = raw.ljust(ERROR_SIZE, b"\0")
+                S_ERROR.pack_into(self.idx, self.layout.slot_off(slot) + S_ERROR_OFF, gen, kind)
+                self._write_slot(slot, EMPTY, -1, gen, 0, 0, 0.0, 0)
+                self._release_reservation(slot)
+                return True
+        finally:
+            self._release_reservation(slot)
 
     # ----------------------------------------------------------------- clients
     def attach_client(self) -> None:
@@ -678,9 +707,9 @@ class NodeIndex:
         live = self.live_clients()
         dead = np.nonzero((self.client_states == 1) & ~live)[0]
         for row in (int(r) for r in dead):
+            # recount first, then retire: a reaper killed midway leaves the dead record (and its
+            # pin list) in place for the next reaper; the recount already ignores the dead row
             pinned = {(int(p["slot"]), int(p["gen"])) for p in self.all_pins[row] if p["count"]}
-            self._retire(row)
-            self.count("reaped_clients")
             for slot, gen in sorted(pinned):
                 with self.stripe_section(slot // self.layout.ways):
                     fields = self._read_slot(slot)
@@ -692,6 +721,8 @@ class NodeIndex:
                         self._write_slot(slot, EMPTY, -1, gen, 0, 0, 0.0, 0)
                     else:
                         self._write_slot(slot, state, owner, gen, offset, size, sealed_at, refs)
+            self._retire(row)
+            self.count("reaped_clients")
         return bool(dead.size)
 
     def reap(self) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import os
 import time
 from pathlib import Path
 
@@ -219,3 +220,54 @@ def test_first_attacher_after_everyone_died_wipes_stale_objects(config: CacheCon
         old_semaphores = {o for o in stale if o.startswith("sem:")}
         assert old_semaphores and not old_semaphores & kernel_objects()  # the dead set was removed
     assert kernel_objects() == before
+
+
+def test_creator_killed_mid_create_is_wiped_by_the_next_attacher(namespace: str) -> None:
+    before = kernel_objects()
+    huge = CacheConfig(enable_embedding_cache=True, namespace=namespace, capacity_bytes=6 << 30)
+    creator = spawn(workers.create_huge, huge)
+    index = Path(f"/dev/shm/shmcache.{os.geteuid()}.{namespace}.index")
+
+    def header_written() -> bool:
+        try:
+            return index.read_bytes()[:8] == b"SHMCIDX\x01"
+        except FileNotFoundError:
+            return False
+
+    wait_for(header_written, what="the creator to write its header")
+    kill(creator)  # while it reserves the 6 GiB arena: the namespace is half-created
+    left = kernel_objects() - before
+    assert any(o.startswith("sem:") for o in left)  # its semaphore set exists and is named in the header
+    small = CacheConfig(enable_embedding_cache=True, namespace=namespace, capacity_bytes=8 << 20)
+    with EmbeddingCache(small) as cache:
+        cache.put(key_of("after"), expected_value("after", 16))
+        assert not ({o for o in left if o.startswith("sem:")} & kernel_objects())  # the dead set was removed
+    assert kernel_objects() == before
+
+
+def test_a_never_written_index_is_stale_not_corrupt(namespace: str) -> None:
+    index = Path(f"/dev/shm/shmcache.{os.geteuid()}.{namespace}.index")
+    index.write_bytes(bytes(8192))  # a creator killed right after creating the file
+    with EmbeddingCache(
+        CacheConfig(enable_embedding_cache=True, namespace=namespace, capacity_bytes=8 << 20)
+    ) as cache:
+        cache.put(key_of("x"), expected_value("x", 16))
+        assert cache.get(key_of("x")) is not None
+
+
+def test_a_fenced_off_owner_releases_its_reservation(config: CacheConfig) -> None:
+    from shmcache import ReservationLost
+
+    with EmbeddingCache(config) as cache:
+        res = cache.reserve(key_of("fenced"))
+        assert res.owned
+        node = cache._node
+        slot = res._slot
+        node.slots["offset"][slot] = 64  # damage the record: the next section quarantines it
+        with pytest.raises(ReservationLost):
+            res.commit(expected_value("fenced", 16))
+        assert node._reservations == set()  # the semaphore was released, not kept by a live owner
+        t0 = time.monotonic()
+        value = cache.get_or_compute(key_of("fenced"), lambda: expected_value("fenced", 16))
+        assert fingerprint(value) == fingerprint(expected_value("fenced", 16))
+        assert time.monotonic() - t0 < 5

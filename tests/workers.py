@@ -150,3 +150,13 @@ def attach_and_die(config: CacheConfig, ready: str) -> None:
     cache.put(key_of("orphan"), expected_value("orphan", 64))
     Path(ready).touch()
     time.sleep(3600)
+
+
+def create_huge(config: CacheConfig) -> None:
+    """Create a namespace whose arena reservation takes seconds (the parent SIGKILLs us midway)."""
+    from shmcache.namespace import bootstrap_lock, create, object_names
+
+    names = object_names(config.namespace)
+    with bootstrap_lock(names, config.mode, 30.0):
+        create(names, config)
+    time.sleep(3600)
