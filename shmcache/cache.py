@@ -56,6 +56,7 @@ log = logging.getLogger("shmcache")
 RequestId = Hashable
 _RELEASE_BATCH_S = 0.005
 _RELEASE_WAIT_S = 0.1  # how long flush_releases waits for a batch the release thread holds
+_WAIT_SLICE_S = 1.0  # a waiter re-checks which key its slot holds at least this often
 _open_caches: weakref.WeakSet[EmbeddingCache] = weakref.WeakSet()
 
 
@@ -431,7 +432,7 @@ class EmbeddingCache:
         if local is not None:
             return Reservation(self, key, request_id, value=local)
         deadline = time.monotonic() + self.config.compute_timeout_s
-        reaped = False
+        reaped = waited = False
         while True:
             claim = node.claim(needle, key, self._pins_for(request_id))
             if claim.kind == "hit":
@@ -453,10 +454,16 @@ class EmbeddingCache:
                 return Reservation(self, key, request_id)
             if not wait:
                 return None
-            node.count("coalesced_waits")
+            if not waited:
+                node.count("coalesced_waits")
+                waited = True
             try:
-                node.wait(claim.slot, max(0.0, deadline - time.monotonic()))
+                # in slices: between them we look again, in case the slot we wait on was sealed,
+                # evicted and reserved for another key before this thread started waiting
+                node.wait(claim.slot, max(0.0, min(_WAIT_SLICE_S, deadline - time.monotonic())))
             except SemaphoreTimeout:
+                if time.monotonic() < deadline:
+                    continue
                 node.count("timeouts")
                 raise ComputeTimeout(
                     f"{key!r}: waited {self.config.compute_timeout_s}s for the compute of pid "
