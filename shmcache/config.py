@@ -11,9 +11,9 @@ from typing import Any, Literal
 from shmcache.errors import ConfigTypeError, InvalidConfig
 from shmcache.keys import HASH_ALGORITHMS
 
-__all__ = ["CacheConfig"]
+__all__ = ["NAMESPACE_PATTERN", "CacheConfig"]
 
-_NAMESPACE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,63}$")
+NAMESPACE_PATTERN = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,63}$")
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class CacheConfig:
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             _check_type(field.name, str(field.type), getattr(self, field.name))
-        _require(bool(_NAMESPACE.match(self.namespace)), "namespace must match [A-Za-z0-9_.-]{1,64}")
+        _require(bool(NAMESPACE_PATTERN.match(self.namespace)), "namespace must match [A-Za-z0-9_.-]{1,64}")
         _require(self.capacity_bytes >= 1 << 20, "capacity_bytes must be at least 1 MiB")
         _require(self.ways >= 1 and self.ways <= 64, "ways must be in 1..64")
         _require(self.max_entries >= self.ways, "max_entries must be at least ways")

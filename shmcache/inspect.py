@@ -291,5 +291,9 @@ def main(argv: list[str] | None = None) -> int:
             )
         return 0
     if args.command == "destroy":
-        return _destroy(args.namespace, args.force)
+        try:
+            return _destroy(args.namespace, args.force)
+        except ShmCacheError as exc:
+            print(f"shmcache-inspect: {exc}", file=sys.stderr)
+            return 1
     return _serve(args)

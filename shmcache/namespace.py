@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import posix_ipc
 
-from shmcache.config import CacheConfig
-from shmcache.errors import CapacityError, CorruptSegment, LayoutMismatch
+from shmcache.config import NAMESPACE_PATTERN, CacheConfig
+from shmcache.errors import CapacityError, CorruptSegment, InvalidConfig, LayoutMismatch
 from shmcache.keys import HASH_ALGORITHMS
 from shmcache.layout import H_READY, HEADER, HEADER_SIZE, LAYOUT_VERSION, MAGIC, Layout
 from shmcache.semaphores import SemaphoreSet, SemaphoreTimeout
@@ -58,7 +58,10 @@ class ObjectNames:
 
 
 def object_names(namespace: str, uid: int | None = None) -> ObjectNames:
-    """Names for `namespace` of user `uid` (default: this process's effective uid)."""
+    """Names for `namespace` of user `uid` (default: this process's effective uid);
+    `InvalidConfig` for a name that could escape /dev/shm or is not a namespace name."""
+    if not isinstance(namespace, str) or not NAMESPACE_PATTERN.match(namespace):
+        raise InvalidConfig(f"namespace must match [A-Za-z0-9_.-]{{1,64}}, got {namespace!r}")
     base = f"{PREFIX}.{os.geteuid() if uid is None else uid}.{namespace}"
     return ObjectNames(f"/{base}.index", f"/{base}.arena", f"{SHM_DIR}/{base}.lock")
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from shmcache.testing import kernel_objects
 
-__all__ = ["kernel_objects", "kill", "spawn", "wait_for"]
+__all__ = ["kernel_objects", "kill", "sealed_slot", "spawn", "wait_for"]
 
 
 def spawn(target: Callable[..., Any], *args: Any) -> mp.process.BaseProcess:
@@ -37,3 +37,10 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 30.0, what: str = "
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.01)
+
+
+def sealed_slot(cache: Any) -> int:
+    """The slot of the only sealed entry of `cache` (for tests that damage it on purpose)."""
+    sealed = [int(s) for s in range(cache._node.layout.slots) if cache._node.slots["state"][s] == 2]
+    assert len(sealed) == 1, sealed
+    return sealed[0]

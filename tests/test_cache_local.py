@@ -27,7 +27,7 @@ from shmcache import (
     ViewMutated,
 )
 from shmcache.namespace import list_namespaces, object_names
-from tests.helpers import kernel_objects, wait_for
+from tests.helpers import kernel_objects, sealed_slot, wait_for
 
 
 def key(pconfig: EncoderPreprocessingConfig, name: str) -> EmbeddingCacheKey:
@@ -277,7 +277,7 @@ def test_corrupt_slot_record_is_quarantined_not_served(
         cache.put(k, torch.ones(8))
         settle()
         node = cache._node
-        slot = next(s for s in range(node.layout.slots) if node.slots["state"][s] == 2)
+        slot = sealed_slot(cache)
         node.slots["offset"][slot] += 64  # a stray write into the index
         assert cache.get(k) is None
         assert cache.stats()["corrupt_records"] == 1
@@ -290,7 +290,7 @@ def test_corrupt_entry_bytes_are_a_miss(config: CacheConfig, pconfig: EncoderPre
         cache.put(k, torch.ones(8))
         settle()
         node = cache._node
-        slot = next(s for s in range(node.layout.slots) if node.slots["state"][s] == 2)
+        slot = sealed_slot(cache)
         offset = int(node.slots["offset"][slot])
         cache._segments.arena[offset + 20 : offset + 24] = b"\xff\xff\xff\xff"  # entry header: digest region
         cache._local.clear()

@@ -193,3 +193,9 @@ def test_collector_inside_a_process(shmcache_config: CacheConfig) -> None:
         text = generate_latest(registry).decode()
         assert _samples(text)[("shmcache_puts_total", (("namespace", shmcache_config.namespace),))] == 1
         assert "absent-namespace" not in text
+
+
+@pytest.mark.parametrize("command", ["show", "gc", "destroy"])
+def test_a_bad_namespace_name_is_a_clear_error(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run_inspect(capsys, command, "../escape")
+    assert code == 1 and "namespace must match" in err
