@@ -23,6 +23,7 @@ import numpy as np
 
 from shmcache import entry, values
 from shmcache.config import CacheConfig
+from shmcache.device import DeviceSide
 from shmcache.errors import (
     CacheClosed,
     CapacityError,
@@ -177,6 +178,9 @@ class EmbeddingCache:
                 segments = create(self._names, config)
             self._node = NodeIndex(segments, config.lock_timeout_s)
             self._node.attach_client()
+        self._device = DeviceSide(
+            self._node, reads_host=config.gpu_reads == "host", export_bytes=config.gpu_export_bytes
+        )
         self._segments = segments
         self._destroyed = False
         self._detached = False
@@ -318,9 +322,13 @@ class EmbeddingCache:
         totals = node.totals()
         slots = node.slots
         sealed = slots["state"] == SlotState.SEALED
+        on_gpu = sealed & node.gpu_records_live()
         totals.update(
             entries=int(sealed.sum()),
             bytes=int(slots["size"][sealed].sum()),
+            gpu_entries=int(on_gpu.sum()),
+            gpu_bytes=int(slots["size"][on_gpu].sum()),
+            gpu_exported_bytes=self._device.exports.nbytes,
             reserved=int((slots["state"] == SlotState.RESERVED).sum()),
             stale=int((slots["state"] == SlotState.STALE).sum()),
             references=int(slots["refcount"].sum()),
@@ -331,8 +339,13 @@ class EmbeddingCache:
         return totals
 
     def gc(self) -> int:
-        """Reap dead processes' records and pins now; returns how many were reaped."""
-        return self._index().reap() if self._enabled else 0
+        """Reap dead processes' records and pins now, and free this process's exported device
+        copies of entries that left the cache; returns how many processes were reaped."""
+        if not self._enabled:
+            return 0
+        reaped = self._index().reap()
+        self._device.sweep()
+        return reaped
 
     def close(self) -> None:
         """Release this process's references and detach; the last process to detach removes the
@@ -345,6 +358,7 @@ class EmbeddingCache:
             self.cleanup_request(request_id)
         if self._remote is not None:
             self._remote.close()  # waits for queued publishes, which hold pins
+        self._device.close()
         with self._state_lock:
             self._closed = True
         self.flush_releases()
@@ -384,6 +398,7 @@ class EmbeddingCache:
         if not self._enabled or os.getpid() != self._pid or self._detached:
             return
         self._closed = True
+        self._device.close()
         self._detach()
 
     def destroy(self) -> None:
@@ -501,6 +516,7 @@ class EmbeddingCache:
                 entry.write_entry(target, key, gen, encoded, checksum=self.config.debug_check_views)
             finally:
                 target.release()
+            gpu = self._device.export(encoded, slot, gen)
         except CapacityError as exc:
             node.count("uncacheable")
             node.abandon(slot, gen, UNCACHEABLE, str(exc))
@@ -509,7 +525,11 @@ class EmbeddingCache:
             node.abandon(slot, gen, FAILED, f"{type(exc).__name__}: {exc}")
             raise
         pins = self._pins_for(request_id) if deliver else int(request_id is not None)
-        info = node.seal(slot, gen, pins)
+        try:
+            info = node.seal(slot, gen, pins, gpu)
+        finally:
+            if gpu is not None and node.gpu_record(slot, gen) is None:
+                self._device.exports.discard(slot, gen)  # fenced off: nobody will read our copy
         if info is None:
             raise ReservationLost(f"{key!r}: reservation (slot {slot}, gen {gen}) was taken over")
         node.count("puts")
@@ -639,7 +659,9 @@ class EmbeddingCache:
             body = entry.verify(holder.data, key, info.gen)
             self._check_unmodified(key, holder, info.slot, info.gen)
             parsed = values.parse(body)
-            value = values.materialize(holder, parsed, copy=clone, base=entry.ENTRY_HEADER_SIZE)
+            value = self._device.materialize(holder, info, parsed, copy=clone) if parsed.on_device else None
+            if value is None:
+                value = values.materialize(holder, parsed, copy=clone, base=entry.ENTRY_HEADER_SIZE)
         except CorruptValue as exc:
             node.count("corrupt_records")
             log.warning("shmcache: dropping entry %r: %s", key, str(exc))
@@ -722,6 +744,8 @@ class EmbeddingCache:
             self._node.unpin_many(pins)
         except Exception as exc:  # the namespace was destroyed under us, or similar
             log.debug("shmcache: releasing view pins failed: %s", str(exc))
+        if pins:
+            self._device.sweep()
         with self._state_lock:
             self._live_views -= len(pins)
             detach = self._closed and self._live_views == 0 and bool(pins)

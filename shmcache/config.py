@@ -22,7 +22,10 @@ class CacheConfig:
 
     Settings that shape the shared layout (capacity, entries, ways, clients, pins, TTL, hash
     algorithm) must match every other process attached to the namespace, or attaching raises
-    `LayoutMismatch`. The rest (timeouts, return mode, debug checks) are per process.
+    `LayoutMismatch`. The rest (timeouts, return mode, debug checks, remote and GPU settings) are
+    per process. `gpu_reads="auto"` returns entries put from CUDA arrays as CUDA arrays in processes
+    that have initialised CUDA ("host": always the host copy); `gpu_export_bytes` bounds the device
+    memory this process keeps exported for other processes (0: never export).
     """
 
     enable_embedding_cache: bool = False
@@ -47,6 +50,8 @@ class CacheConfig:
     remote_key_prefix: str = "shmcache"
     remote_publish_queue: int = 64
     store_unavailable_mode: Literal["degrade", "strict"] = "degrade"
+    gpu_reads: Literal["auto", "host"] = "auto"
+    gpu_export_bytes: int = 4 << 30
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -74,6 +79,8 @@ class CacheConfig:
         _require(
             self.remote_master is None or ":" in self.remote_master, "remote_master must be HOST:PORT or None"
         )
+        _require(self.gpu_reads in ("auto", "host"), "gpu_reads must be 'auto' or 'host'")
+        _require(self.gpu_export_bytes >= 0, "gpu_export_bytes must be >= 0 (0: never export)")
         _require("@" not in self.remote_key_prefix, "remote_key_prefix must not contain '@'")
 
     @property

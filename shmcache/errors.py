@@ -13,6 +13,7 @@ __all__ = [
     "ConfigTypeError",
     "CorruptSegment",
     "CorruptValue",
+    "CudaError",
     "InvalidConfig",
     "InvalidKey",
     "LayoutMismatch",
@@ -77,3 +78,7 @@ class ViewMutated(ShmCacheError, RuntimeError):
 
 class CacheClosed(ShmCacheError, RuntimeError):
     """The cache was closed, or is used in a process it was not opened in (after fork)."""
+
+
+class CudaError(ShmCacheError, RuntimeError):
+    """A CUDA driver call failed (the message names the call and the driver's error)."""

@@ -49,6 +49,15 @@ def _table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
+def _gpu_cell(gpu: dict[str, Any] | None) -> str:
+    """Where an entry's device copy is: "-" (host only), "pid 123", "pid 123 DEAD", "withdrawn"."""
+    if gpu is None:
+        return "-"
+    if gpu["withdrawn"]:
+        return "withdrawn"
+    return f"pid {gpu['exporter_pid']}" + ("" if gpu["exporter_alive"] else " DEAD")
+
+
 def render(snap: NamespaceSnapshot) -> str:
     """The human report of one namespace (plain text)."""
     s = snap.stats
@@ -65,6 +74,9 @@ def render(snap: NamespaceSnapshot) -> str:
         f"repairs {s['repairs']}, reaped {s['reaped_clients']}",
         f"remote: hits {s['hits_remote']}, published {s['remote_publishes']}, "
         f"dropped {s['remote_publish_drops']}, errors {s['remote_errors']}, rejected {s['remote_rejected']}",
+        f"gpu: entries {s['gpu_entries']}, exports {s['gpu_exports']} (skipped {s['gpu_export_skips']}), "
+        f"hits {s['gpu_hits_alias']} alias + {s['gpu_hits_peer']} peer + "
+        f"{s['gpu_hits_host_copy']} host copy, dead exporters seen {s['gpu_dead_exporter']}",
         "",
         "processes",
         _table(
@@ -98,7 +110,7 @@ def render(snap: NamespaceSnapshot) -> str:
         "",
         "entries (largest first)",
         _table(
-            ["key", "modality", "value", "size", "state", "age", "ttl left", "refs", "holders"],
+            ["key", "modality", "value", "size", "state", "age", "ttl left", "refs", "holders", "gpu copy"],
             [
                 [
                     e.key,
@@ -110,6 +122,7 @@ def render(snap: NamespaceSnapshot) -> str:
                     "-" if e.ttl_left_s is None else f"{e.ttl_left_s:.0f}s",
                     str(e.references),
                     ",".join(map(str, e.holder_pids)) or "-",
+                    _gpu_cell(e.gpu),
                 ]
                 for e in snap.entries
             ],

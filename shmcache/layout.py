@@ -9,7 +9,8 @@ Index segment::
                               last_access, failure record (gen, kind)
     keys     48 B x N         algorithm u8, digest length u8, modality u8, kind u8, pad, digest 32 B
     errors   128 B x N        failure message of the slot's last failed reservation (utf-8)
-    clients  (256 + 16 P) B x C  state, pid, start time, attach time, counters, then P pins
+    gpu      192 B x N        the CUDA IPC record of a GPU entry (see `shmcache.gpu.GpuRecord`)
+    clients  (512 + 16 P) B x C  state, pid, start time, attach time, counters, then P pins
                                  (slot i32, count u32, gen u64)
 
 Semaphore set: [node lock] [S stripe locks] [N reservations] [C client liveness] [2 signature].
@@ -38,7 +39,7 @@ __all__ = [
 
 MAGIC: Final = b"SHMCIDX\x01"
 NODE_LOCK: Final = 0  # semaphore index of the node lock
-LAYOUT_VERSION: Final = 1
+LAYOUT_VERSION: Final = 2
 
 COUNTERS: Final = (
     "hits_process",
@@ -62,6 +63,12 @@ COUNTERS: Final = (
     "remote_publish_drops",
     "remote_errors",
     "remote_rejected",
+    "gpu_exports",
+    "gpu_export_skips",
+    "gpu_hits_alias",
+    "gpu_hits_peer",
+    "gpu_hits_host_copy",
+    "gpu_dead_exporter",
 )
 N_COUNTERS: Final = len(COUNTERS)
 
@@ -99,9 +106,10 @@ S_ERROR_OFF: Final = 56
 KEY_SIZE: Final = 48
 KEY_HEAD: Final = struct.Struct("<BBBB12x")
 ERROR_SIZE: Final = 128
+GPU_SIZE: Final = 192
 
 CLIENT_HEAD: Final = struct.Struct("<IIQd")  # state, pid, start ticks, attached at (wall)
-CLIENT_HEAD_SIZE: Final = 256
+CLIENT_HEAD_SIZE: Final = 512
 C_COUNTERS: Final = 64
 PIN: Final = struct.Struct("<iIQ")  # slot, count, gen
 
@@ -146,12 +154,16 @@ class Layout:
         return self.keys_off + KEY_SIZE * self.slots
 
     @cached_property
+    def gpu_off(self) -> int:
+        return _align(self.errors_off + ERROR_SIZE * self.slots)
+
+    @cached_property
     def client_size(self) -> int:
         return CLIENT_HEAD_SIZE + PIN.size * self.pins
 
     @cached_property
     def clients_off(self) -> int:
-        return _align(self.errors_off + ERROR_SIZE * self.slots)
+        return _align(self.gpu_off + GPU_SIZE * self.slots)
 
     @cached_property
     def size(self) -> int:
@@ -182,6 +194,9 @@ class Layout:
 
     def error_off(self, slot: int) -> int:
         return self.errors_off + ERROR_SIZE * slot
+
+    def gpu_record_off(self, slot: int) -> int:
+        return self.gpu_off + GPU_SIZE * slot
 
     def client_off(self, client: int) -> int:
         return self.clients_off + self.client_size * client

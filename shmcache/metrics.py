@@ -38,6 +38,12 @@ _COUNTERS = {
     "remote_publish_drops": "Publishes dropped because the publish queue was full",
     "remote_errors": "Mooncake transfer or RPC errors",
     "remote_rejected": "Remote values rejected (corrupt or foreign)",
+    "gpu_exports": "Device copies exported through CUDA IPC",
+    "gpu_export_skips": "GPU entries stored with their host copy only (export limit or no IPC)",
+    "gpu_hits_alias": "GPU hits served as zero-copy aliases of the exporter's memory",
+    "gpu_hits_peer": "GPU hits served by a peer copy from another GPU",
+    "gpu_hits_host_copy": "GPU hits served by a host-to-device copy of the host copy",
+    "gpu_dead_exporter": "GPU reads that found the exporter dead and used the host copy",
 }
 _GAUGES = {
     "entries": "Sealed entries",
@@ -46,6 +52,7 @@ _GAUGES = {
     "stale": "Expired entries still referenced",
     "references": "Pins and request references held",
     "clients": "Live attached processes",
+    "gpu_entries": "Sealed entries with a live device copy",
 }
 
 

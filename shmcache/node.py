@@ -33,6 +33,7 @@ from typing import Final, NamedTuple
 import numpy as np
 
 from shmcache.errors import CapacityError, CorruptSegment, ShmCacheError
+from shmcache.gpu import GPU_HEAD_DTYPE, GPU_RECORD_SIZE, ExporterId, GpuRecord
 from shmcache.keys import HASH_ALGORITHMS, MODALITIES, EmbeddingCacheKey
 from shmcache.layout import (
     C_COUNTERS,
@@ -40,6 +41,7 @@ from shmcache.layout import (
     CLIENT_HEAD_SIZE,
     COUNTERS,
     ERROR_SIZE,
+    GPU_SIZE,
     H_JOURNAL,
     H_JOURNAL_ROW,
     H_NODE_HELD,
@@ -92,6 +94,7 @@ class SlotInfo(NamedTuple):
     offset: int
     size: int
     pinned: bool = True
+    gpu: GpuRecord | None = None  # the entry's CUDA IPC record, if it has a device copy
 
 
 @dataclass(frozen=True)
@@ -442,7 +445,7 @@ class NodeIndex:
                 self._pin(slot, gen, pins)
                 self._write_slot(slot, state, owner, gen, offset, size, sealed_at, refs + pins)
             self.touch(slot, now)
-            return SlotInfo(slot, gen, offset, size)
+            return SlotInfo(slot, gen, offset, size, gpu=self.gpu_record(slot, gen))
         return None
 
     def lookup(self, needle: bytes, pins: int) -> SlotInfo | None:
@@ -615,9 +618,10 @@ class NodeIndex:
         if held:
             self.sems.release(self.layout.slot_sem(slot))
 
-    def seal(self, slot: int, gen: int, pins: int) -> SlotInfo | None:
-        """Fenced seal: publish (slot, gen) with `pins` pins for this client; None if fenced off.
-        Whatever happens, the reservation semaphore is released before this returns or raises."""
+    def seal(self, slot: int, gen: int, pins: int, gpu: GpuRecord | None = None) -> SlotInfo | None:
+        """Fenced seal: publish (slot, gen) with `pins` pins for this client, and its GPU record if
+        given; None if fenced off. Whatever happens, the reservation semaphore is released before
+        this returns or raises."""
         try:
             with self.stripe_section(slot // self.layout.ways):
                 fields = self._read_slot(slot)
@@ -632,9 +636,12 @@ class NodeIndex:
                 except CapacityError:  # this process holds too many pins: seal for everyone else anyway
                     pins, pinned = 0, False
                 self.touch(slot, now)
+                if gpu is not None:
+                    goff = self.layout.gpu_record_off(slot)
+                    self.idx[goff : goff + GPU_RECORD_SIZE] = gpu.pack()
                 self._write_slot(slot, SEALED, self.client, gen, offset, size, now, pins)
                 self._release_reservation(slot)
-                return SlotInfo(slot, gen, offset, size, pinned)
+                return SlotInfo(slot, gen, offset, size, pinned, gpu)
         finally:
             self._release_reservation(slot)
 
@@ -655,6 +662,61 @@ class NodeIndex:
                 return True
         finally:
             self._release_reservation(slot)
+
+    # ----------------------------------------------------------------- GPU records
+    def gpu_record(self, slot: int, gen: int) -> GpuRecord | None:
+        """The GPU record of entry (slot, gen), None if it has none (records of earlier
+        generations of the slot are ignored: generations never repeat)."""
+        goff = self.layout.gpu_record_off(slot)
+        if _U64.unpack_from(self.idx, goff)[0] != gen:
+            return None
+        record = GpuRecord.unpack(self.idx[goff : goff + GPU_RECORD_SIZE])
+        return record if record is not None and record.gen == gen else None
+
+    def withdraw_gpu(self, slot: int, gen: int) -> bool:
+        """Mark entry (slot, gen)'s GPU record withdrawn: from now on no reader opens its handle."""
+        with self.stripe_section(slot // self.layout.ways):
+            record = self.gpu_record(slot, gen)
+            if record is None:
+                return False
+            goff = self.layout.gpu_record_off(slot)
+            self.idx[goff : goff + GPU_RECORD_SIZE] = record.withdraw().pack()
+            return True
+
+    def gpu_records_live(self) -> np.ndarray:
+        """Boolean array over slots: the current generation has a GPU record that is not withdrawn
+        (read without a lock, for statistics)."""
+        table = np.ndarray(
+            (self.layout.slots,),
+            GPU_HEAD_DTYPE,
+            buffer=self.seg.index,
+            offset=self.layout.gpu_off,
+            strides=(GPU_SIZE,),
+        )
+        live: np.ndarray = (
+            (table["gen"] == self.slots["gen"]) & (table["flags"] & 1 == 0) & (table["gen"] > 0)
+        )
+        return live
+
+    def entry_state(self, slot: int, gen: int) -> tuple[bool, int]:
+        """(entry (slot, gen) is still indexed, its references), read without a lock."""
+        state, _owner, cur_gen, _offset, _size, _sealed, refs, _crc = self.slot_fields(slot)
+        return state in (SEALED, STALE) and cur_gen == gen, refs
+
+    @property
+    def identity(self) -> ExporterId:
+        """This client: its row, pid and start time."""
+        return self.client_identity(self.client)
+
+    def client_identity(self, row: int) -> ExporterId:
+        _state, pid, ticks, _attached = CLIENT_HEAD.unpack_from(self.idx, self.layout.client_off(row))
+        return ExporterId(row, pid, ticks)
+
+    def client_alive(self, who: ExporterId) -> bool:
+        """True if the process `who` still holds its client record (kernel-tracked liveness)."""
+        if not 0 <= who.row < self.layout.clients or self.sems.value(self.layout.client_sem(who.row)) == 0:
+            return False
+        return self.client_states[who.row] == 1 and self.client_identity(who.row) == who
 
     # ----------------------------------------------------------------- clients
     def attach_client(self) -> None:

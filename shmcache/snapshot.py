@@ -49,6 +49,7 @@ class EntryInfo:
     ttl_left_s: float | None
     references: int
     holder_pids: list[int]
+    gpu: dict[str, Any] | None = None  # the device copy: uuid, exporter pid, alive, withdrawn, bytes
 
 
 @dataclass(frozen=True)
@@ -204,6 +205,7 @@ def take_snapshot(
                 ttl_left_s=None if not ttl else max(0.0, ttl - (now - last)),
                 references=int(record["refcount"]),
                 holder_pids=sorted(int(node.client_pids[row]) for row in holder_rows),
+                gpu=_gpu_info(node, slot, gen, client_alive),
             )
         )
     entries.sort(key=lambda e: -e.size_bytes)
@@ -225,6 +227,7 @@ def take_snapshot(
         stale=int((slots["state"] == SlotState.STALE).sum()),
         references=int(slots["refcount"].sum()),
         clients=int(client_alive.sum()),
+        gpu_entries=sum(1 for e in entries if e.state == "sealed" and e.gpu and not e.gpu["withdrawn"]),
     )
     used = int(slots["size"][slots["state"] != SlotState.EMPTY].sum())
     node.release_views()
@@ -240,6 +243,21 @@ def take_snapshot(
         reservations=reservations,
         clients=client_list,
     )
+
+
+def _gpu_info(node: NodeIndex, slot: int, gen: int, client_alive: np.ndarray) -> dict[str, Any] | None:
+    record = node.gpu_record(slot, gen)
+    if record is None:
+        return None
+    row = record.exporter.row
+    alive = 0 <= row < client_alive.size and bool(client_alive[row])
+    return {
+        "device_uuid": record.device_uuid.hex(),
+        "exporter_pid": record.exporter.pid,
+        "exporter_alive": alive and node.client_identity(row) == record.exporter,
+        "withdrawn": record.withdrawn,
+        "bytes": record.nbytes,
+    }
 
 
 def _describe(arena: mmap.mmap | None, offset: int, size: int) -> tuple[str | None, list[dict[str, Any]]]:

@@ -4,10 +4,15 @@ Layout (little endian)::
 
     header      magic "SHMV", version u16, kind u8, flags u8, n_arrays u32, meta_len u32,
                 total_len u64, descriptors_len u32, reserved u32
-    descriptor  per array: lib u8 (1 torch, 2 numpy), dtype_len u8, ndim u8, name_len u8,
+    descriptor  per array: lib u8 (1 torch, 2 numpy, 3 torch on CUDA, 4 CUDA array such as cupy),
+                dtype_len u8, ndim u8, name_len u8,
                 offset u64, nbytes u64, dims u64 x ndim, dtype name, array name (utf-8)
     metadata    JSON object (HiddenStatePrefix only), utf-8
     payloads    each at a 64-byte aligned offset from the start
+
+Arrays that were on a GPU (lib 3 and 4) are stored here as their host copy; `EncodedValue` also
+carries the device arrays, which the GPU layer exports (see `shmcache.gpu`). Readers without CUDA
+get them back as CPU torch tensors (3) and numpy arrays (4).
 
 No pickle anywhere: a shared segment must not be a code-execution path into other processes.
 `decode` bounds-checks every field and raises `CorruptValue` for truncated or malformed input.
@@ -17,7 +22,8 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Mapping
+import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
@@ -62,7 +68,9 @@ KIND_NAMES: Final = {
     KIND_HIDDEN_STATE_PREFIX: "hidden_state_prefix",
     KIND_TENSOR_DICT: "tensor_dict",
 }
-_LIB_TORCH, _LIB_NUMPY = 1, 2
+_LIB_TORCH, _LIB_NUMPY, _LIB_TORCH_CUDA, _LIB_CUDA_ARRAY = 1, 2, 3, 4
+_TORCH_LIBS: Final = (_LIB_TORCH, _LIB_TORCH_CUDA)
+DEVICE_LIBS: Final = (_LIB_TORCH_CUDA, _LIB_CUDA_ARRAY)
 
 MetadataValue = str | int | float | bool | None
 
@@ -86,6 +94,7 @@ class _Array:
     shape: tuple[int, ...]
     data: memoryview
     name: str = ""
+    device: Any = None  # the contiguous CUDA tensor the host bytes were copied from (lib 3 and 4)
 
 
 @dataclass(frozen=True)
@@ -97,6 +106,12 @@ class EncodedValue:
     payloads: tuple[tuple[int, memoryview], ...]
     total_len: int
     arrays: tuple[tuple[str, tuple[int, ...]], ...]  # (dtype, shape) of each array, for inspection
+    device_payloads: tuple[tuple[int, Any], ...] = ()  # (offset, CUDA tensor) of arrays born on a GPU
+
+    @property
+    def device(self) -> Any:
+        """The torch.device of the value's CUDA arrays, None if it has none."""
+        return self.device_payloads[0][1].device if self.device_payloads else None
 
     def write_into(self, buffer: memoryview) -> None:
         """Write the whole encoding into `buffer` (at least `total_len` writable bytes): one copy."""
@@ -128,10 +143,32 @@ def _token_array(token_ids: Any) -> _Array:
     return _Array(_LIB_NUMPY, "int64", (len(token_ids),), array.view(np.uint8).data)
 
 
+def _is_cuda_array(value: Any) -> bool:
+    """A GPU array of another library (cupy, numba): it has a CUDA array interface, and is no tensor."""
+    return hasattr(type(value), "__cuda_array_interface__") and not _is_tensor(value)
+
+
+def _is_tensor(value: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
 def _array(value: Any, name: str = "") -> _Array:
-    lib = _LIB_NUMPY if isinstance(value, np.ndarray) else _LIB_TORCH
+    if isinstance(value, np.ndarray):
+        dtype, shape, data = tensor_bytes(value)
+        return _Array(_LIB_NUMPY, dtype, shape, data, name)
+    lib = _LIB_TORCH
+    if _is_cuda_array(value):
+        import torch
+
+        value, lib = torch.as_tensor(value), _LIB_CUDA_ARRAY  # zero-copy through the interface
+    device = None
+    if _is_tensor(value) and value.device.type == "cuda":
+        device = value.detach().resolve_conj().resolve_neg().contiguous()
+        value = device
+        lib = _LIB_CUDA_ARRAY if lib == _LIB_CUDA_ARRAY else _LIB_TORCH_CUDA
     dtype, shape, data = tensor_bytes(value)
-    return _Array(lib, dtype, shape, data, name)
+    return _Array(lib, dtype, shape, data, name, device)
 
 
 def _classify(value: Value) -> tuple[int, list[_Array], bytes]:
@@ -142,6 +179,8 @@ def _classify(value: Value) -> tuple[int, list[_Array], bytes]:
         return KIND_HIDDEN_STATE_PREFIX, [_token_array(value.token_ids), _array(value.hidden_states)], meta
     if isinstance(value, list):
         return KIND_TOKEN_IDS, [_token_array(value)], b""
+    if _is_cuda_array(value):
+        return KIND_NDARRAY, [_array(value)], b""
     if isinstance(value, Mapping):
         arrays = []
         for name, item in value.items():
@@ -193,6 +232,7 @@ def plan(value: Value) -> EncodedValue:
     offset = _align(_HEADER.size + descriptors_len + len(meta))
     parts = []
     payloads = []
+    device_payloads = []
     for array, dtype_raw, name_raw in descriptors:
         nbytes = array.data.nbytes
         parts.append(
@@ -201,7 +241,11 @@ def plan(value: Value) -> EncodedValue:
         parts.extend(_DIM.pack(dim) for dim in array.shape)
         parts += (dtype_raw, name_raw)
         payloads.append((offset, array.data))
+        if array.device is not None and nbytes:
+            device_payloads.append((offset, array.device))
         offset = _align(offset + nbytes)
+    if len({str(tensor.device) for _, tensor in device_payloads}) > 1:
+        raise UnsupportedValue("the CUDA arrays of one value must be on one device")
     total = offset
     header = _HEADER.pack(MAGIC, VERSION, kind, 0, len(arrays), len(meta), total, descriptors_len, 0)
     return EncodedValue(
@@ -210,6 +254,7 @@ def plan(value: Value) -> EncodedValue:
         payloads=tuple(payloads),
         total_len=total,
         arrays=tuple((a.dtype, a.shape) for a, _, _ in descriptors),
+        device_payloads=tuple(device_payloads),
     )
 
 
@@ -240,6 +285,11 @@ class ParsedValue:
     arrays: tuple[ArraySpec, ...]
     meta: bytes
     total_len: int
+
+    @property
+    def on_device(self) -> bool:
+        """True if any array was on a GPU when it was stored."""
+        return any(spec.lib in DEVICE_LIBS for spec in self.arrays)
 
 
 _parsed_heads: dict[bytes, ParsedValue] = {}
@@ -294,7 +344,7 @@ def _parse_head(buffer: memoryview, head: tuple[Any, ...]) -> ParsedValue:
         lib, dtype_len, ndim, name_len, offset, nbytes = _DESCRIPTOR.unpack_from(buffer, position)
         position += _DESCRIPTOR.size
         tail = position + _DIM.size * ndim + dtype_len + name_len
-        if tail > _HEADER.size + descriptors_len or ndim > _MAX_NDIM or lib not in (_LIB_TORCH, _LIB_NUMPY):
+        if tail > _HEADER.size + descriptors_len or ndim > _MAX_NDIM or not 1 <= lib <= 4:
             raise CorruptValue("value descriptor out of range")
         shape = struct.unpack_from(f"<{ndim}Q", buffer, position)
         position += _DIM.size * ndim
@@ -319,7 +369,7 @@ def _spec(lib: int, dtype: str, shape: tuple[int, ...], offset: int, nbytes: int
     for dim in shape:
         count *= dim
     try:
-        if lib == _LIB_NUMPY:
+        if lib not in _TORCH_LIBS:
             np_dtype: np.dtype[Any] | None = numpy_dtype(dtype)
             torch_type = None
             itemsize = np_dtype.itemsize if np_dtype is not None else 0
@@ -365,12 +415,29 @@ def decode(buffer: memoryview | bytes | bytearray | np.ndarray[Any, Any], *, cop
     return materialize(array, parse(array.data), copy=copy)
 
 
+DeviceBuilder = Callable[[ArraySpec], Any]
+
+
 def materialize(
-    array: np.ndarray[Any, Any], parsed: ParsedValue, *, copy: bool = False, base: int = 0
+    array: np.ndarray[Any, Any],
+    parsed: ParsedValue,
+    *,
+    copy: bool = False,
+    base: int = 0,
+    device: DeviceBuilder | None = None,
 ) -> Value:
     """Build the value that `parsed` describes over `array`, whose byte `base` is the value's
-    first byte (already parsed: no checks repeated). Views keep `array` alive."""
-    return _assemble(parsed, [_materialize(array, spec, copy, base) for spec in parsed.arrays])
+    first byte (already parsed: no checks repeated). Views keep `array` alive. With `device`,
+    arrays born on a GPU are built by it instead (see `shmcache.gpu`)."""
+    return _assemble(
+        parsed,
+        [
+            device(spec)
+            if device is not None and spec.lib in DEVICE_LIBS
+            else _materialize(array, spec, copy, base)
+            for spec in parsed.arrays
+        ],
+    )
 
 
 def _materialize(array: np.ndarray[Any, Any], spec: ArraySpec, copy: bool, base: int) -> Any:
@@ -416,7 +483,7 @@ def _assemble(parsed: ParsedValue, values: list[Any]) -> Value:
 
 
 def _expect(value: Any, spec: ArraySpec, *, torch_lib: bool) -> Any:
-    if (spec.lib == _LIB_TORCH) != torch_lib:
+    if (spec.lib in _TORCH_LIBS) != torch_lib:
         raise CorruptValue("array library does not match the value kind")
     return value
 
@@ -438,7 +505,9 @@ def alias(value: Value) -> Value:
         return list(value)
     if isinstance(value, dict):
         return {name: alias(item) for name, item in value.items()}
-    return value.detach()
+    if _is_tensor(value):
+        return value.detach()
+    return value.view()  # a CUDA array of another library
 
 
 def describe(buffer: memoryview | bytes) -> tuple[str, list[tuple[str, tuple[int, ...]]]]:

@@ -1,0 +1,253 @@
+"""This process's GPU side of a cache: it exports device copies at commit and builds CUDA values
+at read time along the route `shmcache.gpu.choose_route` picks.
+
+Nothing here touches CUDA until a value with CUDA arrays is put, or a GPU entry is read by a
+process that has initialised CUDA itself; CPU-only processes read the host copy.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from shmcache import values
+from shmcache.dtypes import torch_dtype
+from shmcache.entry import ENTRY_HEADER_SIZE
+from shmcache.errors import CudaError
+from shmcache.gpu import CudaDriver, DeviceMappings, Exports, GpuRecord, ReaderDevice, Route, choose_route
+from shmcache.node import NodeIndex, SlotInfo
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["DeviceSide"]
+
+log = logging.getLogger("shmcache")
+_COUNTER = {
+    Route.ALIAS: "gpu_hits_alias",
+    Route.PEER: "gpu_hits_peer",
+    Route.HOST_TO_DEVICE: "gpu_hits_host_copy",
+}
+
+
+class _DeviceBytes:
+    """A CUDA array interface over `nbytes` device bytes at `pointer`; keeps `owner` alive for as
+    long as any tensor made from it (torch holds the interface object until its storage dies)."""
+
+    def __init__(self, pointer: int, nbytes: int, owner: object) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (pointer, False),
+            "version": 3,
+            "strides": None,
+        }
+        self.owner = owner
+
+
+class DeviceSide:
+    """GPU exports and GPU reads of one `EmbeddingCache` (see the module docstring)."""
+
+    def __init__(self, node: NodeIndex, *, reads_host: bool, export_bytes: int) -> None:
+        self._node = node
+        self._me = node.identity
+        self._reads_host = reads_host
+        self.exports = Exports(export_bytes)
+        self._driver: CudaDriver | None = None
+        self._driver_failed = False
+        self._mappings: DeviceMappings | None = None
+        self._visible: dict[bytes, int] | None = None
+        self._lock = threading.Lock()
+
+    # ----------------------------------------------------------------- driver
+    def _cuda(self) -> CudaDriver | None:
+        """The driver wrapper, loaded once; None (logged once) where it cannot be used."""
+        with self._lock:
+            if self._driver is None and not self._driver_failed:
+                try:
+                    self._driver = CudaDriver()
+                    self._mappings = DeviceMappings(self._driver)
+                    self._visible = self._driver.devices()
+                except CudaError as exc:
+                    self._driver_failed = True
+                    log.warning(
+                        "shmcache: no CUDA IPC in this process (%s): GPU entries use host copies", exc
+                    )
+            return self._driver
+
+    # ----------------------------------------------------------------- export
+    def export(self, encoded: values.EncodedValue, slot: int, gen: int) -> GpuRecord | None:
+        """Copy `encoded`'s CUDA arrays into a buffer laid out like its host encoding, wait for the
+        copies, and return the record that publishes it; None when it is not exported (no CUDA
+        arrays, over `gpu_export_bytes`, or IPC unavailable: readers then use the host copy)."""
+        if not encoded.device_payloads:
+            return None
+        node, exports = self._node, self.exports
+        need = encoded.total_len
+        self.sweep()
+        for old_slot, old_gen in exports.to_withdraw(need):
+            node.withdraw_gpu(old_slot, old_gen)
+            exports.mark_withdrawn(old_slot, old_gen)
+        self.sweep()
+        driver = self._cuda()
+        if driver is None or exports.nbytes + need > exports.limit_bytes:
+            node.count("gpu_export_skips")
+            return None
+        import torch
+
+        device = encoded.device
+        try:
+            with torch.cuda.device(device):
+                buffer = torch.empty(need, dtype=torch.uint8, device=device)
+                for offset, tensor in encoded.device_payloads:
+                    flat = tensor.reshape(-1).view(torch.uint8)
+                    buffer[offset : offset + flat.numel()].copy_(flat)
+                torch.cuda.current_stream(device).synchronize()  # readers use other streams and processes
+                handle, offset = driver.export(buffer.data_ptr(), device.index)
+                uuid = driver.uuid(device.index)
+        except RuntimeError as exc:  # CudaError (e.g. expandable segments have no legacy IPC handle), OOM
+            node.count("gpu_export_skips")
+            log.warning("shmcache: not exporting a GPU entry: %s", exc)
+            return None
+        exports.add(slot, gen, buffer)
+        node.count("gpu_exports")
+        return GpuRecord(gen, self._me, device.index, offset, need, uuid, handle)
+
+    def sweep(self) -> int:
+        """Free exported buffers whose entries left the index (or were withdrawn and are unused)."""
+        return self.exports.sweep(self._node.entry_state)
+
+    def withdraw_all(self) -> None:
+        """Before this process detaches: no reader may open our handles from now on."""
+        for slot, gen in self.exports.exported():
+            try:
+                self._node.withdraw_gpu(slot, gen)
+            except Exception as exc:  # a destroyed namespace: nobody is left to read
+                log.debug("shmcache: withdrawing GPU records failed: %s", exc)
+                return
+
+    def close(self) -> None:
+        self.withdraw_all()
+        if self._mappings is not None:
+            self._mappings.close_all()
+
+    # ----------------------------------------------------------------- read
+    def reader(self) -> ReaderDevice | None:
+        """This process's current CUDA device, or None if it reads host copies."""
+        torch = sys.modules.get("torch")
+        if self._reads_host or torch is None or not torch.cuda.is_initialized():
+            return None
+        ordinal = torch.cuda.current_device()
+        self._cuda()
+        visible = self._visible or {}
+        uuid = next((found for found, index in visible.items() if index == ordinal), b"")
+        return ReaderDevice(ordinal, uuid, visible)
+
+    def route(self, info: SlotInfo) -> Route:
+        """The route for reading sealed entry `info` here; a dead exporter's mappings are retired."""
+        record = info.gpu
+        alive = record is not None and (
+            record.exporter == self._me or self._node.client_alive(record.exporter)
+        )
+        if record is not None and not alive:
+            self._node.count("gpu_dead_exporter")
+            if self._mappings is not None:
+                self._mappings.retire(record.exporter)
+        driver = self._driver
+        return choose_route(
+            record,
+            exporter_alive=alive,
+            reader=self.reader(),
+            can_access_peer=driver.can_access_peer if driver is not None else lambda a, b: False,
+        )
+
+    def materialize(
+        self, holder: np.ndarray[Any, Any], info: SlotInfo, parsed: values.ParsedValue, *, copy: bool
+    ) -> values.Value | None:
+        """The value of GPU entry `info` with CUDA arrays for this process, None for the host route.
+
+        `holder` is the entry's host bytes; it carries the entry's view pin, and zero-copy aliases
+        of another process's memory keep it alive (so the exporter keeps that memory)."""
+        route = self.route(info)
+        if route is Route.HOST:
+            return None
+        reader = self.reader()
+        assert reader is not None
+        import torch
+
+        target = torch.device("cuda", reader.ordinal)
+        source = None
+        if route is not Route.HOST_TO_DEVICE and info.gpu is not None:
+            try:
+                source = self._mapped(holder, info.slot, info.gpu, reader)
+            except CudaError as exc:  # the exporter may have died after the liveness check
+                log.info("shmcache: reading the host copy instead of a GPU mapping: %s", exc)
+                route = Route.HOST_TO_DEVICE
+        if source is None:
+            source = self._host_to_device(holder, target)
+
+        def build(spec: values.ArraySpec) -> Any:
+            dtype = torch_dtype(spec.dtype)
+            if spec.nbytes == 0:
+                return _as_library(torch.empty(spec.shape, dtype=dtype, device=target), spec)
+            tensor = source(spec).view(dtype).reshape(spec.shape)
+            if route is Route.PEER:
+                tensor = tensor.to(target)
+            elif route is Route.ALIAS and copy:
+                tensor = tensor.clone()
+            return _as_library(tensor, spec)
+
+        value = values.materialize(holder, parsed, copy=copy, base=ENTRY_HEADER_SIZE, device=build)
+        if route is Route.PEER or copy:
+            torch.cuda.synchronize()  # copies from mapped memory end before the pin can be released
+        self._node.count(_COUNTER[route])
+        return value
+
+    def _mapped(
+        self, holder: np.ndarray[Any, Any], slot: int, record: GpuRecord, reader: ReaderDevice
+    ) -> Callable[[values.ArraySpec], torch.Tensor]:
+        """Array spec -> uint8 CUDA tensor of its bytes in the exported device copy (zero-copy)."""
+        import torch
+
+        if record.exporter == self._me:  # our own export: slices keep our buffer alive
+            own = self.exports.buffer(slot, record.gen)
+            if own is None:
+                raise CudaError("this process withdrew the entry's device copy")
+            return lambda spec: own[spec.offset : spec.offset + spec.nbytes]
+        mappings = self._mappings
+        if mappings is None:
+            raise CudaError("CUDA IPC is unavailable in this process")
+        base = mappings.acquire(record.exporter, record.handle, reader.visible[record.device_uuid])
+        weakref.finalize(holder, mappings.release, record.exporter, record.handle, base)
+        start = base + record.offset
+        return lambda spec: torch.as_tensor(_DeviceBytes(start + spec.offset, spec.nbytes, holder))
+
+    @staticmethod
+    def _host_to_device(
+        holder: np.ndarray[Any, Any], target: torch.device
+    ) -> Callable[[values.ArraySpec], torch.Tensor]:
+        """Array spec -> uint8 CUDA tensor copied from the host copy (synchronous: pageable memory)."""
+        import torch
+
+        def source(spec: values.ArraySpec) -> torch.Tensor:
+            start = ENTRY_HEADER_SIZE + spec.offset
+            return torch.from_numpy(holder[start : start + spec.nbytes]).to(target)
+
+        return source
+
+
+def _as_library(tensor: torch.Tensor, spec: values.ArraySpec) -> Any:
+    """A cupy array for arrays put as CUDA arrays of another library (where cupy is installed)."""
+    if spec.torch_dtype is not None:
+        return tensor
+    try:
+        import cupy
+    except ImportError:
+        return tensor
+    return cupy.from_dlpack(tensor)
