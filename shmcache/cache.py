@@ -742,10 +742,10 @@ class EmbeddingCache:
         pins = [item for item in batch if item is not None]
         try:
             self._node.unpin_many(pins)
+            if pins:
+                self._device.sweep()  # released entries may have let exported device copies go
         except Exception as exc:  # the namespace was destroyed under us, or similar
             log.debug("shmcache: releasing view pins failed: %s", str(exc))
-        if pins:
-            self._device.sweep()
         with self._state_lock:
             self._live_views -= len(pins)
             detach = self._closed and self._live_views == 0 and bool(pins)

@@ -204,8 +204,11 @@ class DeviceSide:
             return _as_library(tensor, spec)
 
         value = values.materialize(holder, parsed, copy=copy, base=ENTRY_HEADER_SIZE, device=build)
-        if route is Route.PEER or copy:
-            torch.cuda.synchronize()  # copies from mapped memory end before the pin can be released
+        if route is Route.PEER or (route is Route.ALIAS and copy):
+            # copies out of mapped memory must end before the entry's pin can be released
+            assert info.gpu is not None
+            for ordinal in {reader.ordinal, reader.visible[info.gpu.device_uuid]}:
+                torch.cuda.synchronize(ordinal)
         self._node.count(_COUNTER[route])
         return value
 

@@ -13,6 +13,7 @@ A reader takes one `Route` (see `choose_route`); it never opens the handle of a 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import enum
 import logging
@@ -20,7 +21,7 @@ import struct
 import threading
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Final
 
@@ -156,8 +157,9 @@ class _Handle(ctypes.Structure):
 class CudaDriver:
     """The few CUDA driver calls torch does not expose: IPC handles, allocation ranges, device uuids.
 
-    Every call makes the device's primary context (the one torch uses) current on the calling
-    thread first. Raises `CudaError` naming the call and the driver's error.
+    Calls on a device run with its primary context (the one torch uses) current on the calling
+    thread and restore the thread's previous context after. Raises `CudaError` naming the call
+    and the driver's error.
     """
 
     def __init__(self) -> None:
@@ -173,6 +175,7 @@ class CudaDriver:
             cuDeviceGetCount=[p(ctypes.c_int)],
             cuDevicePrimaryCtxRetain=[p(ctypes.c_void_p), ctypes.c_int],
             cuCtxSetCurrent=[ctypes.c_void_p],
+            cuCtxGetCurrent=[p(ctypes.c_void_p)],
             cuDeviceCanAccessPeer=[p(ctypes.c_int), ctypes.c_int, ctypes.c_int],
             cuIpcGetMemHandle=[p(_Handle), u64],
             cuIpcCloseMemHandle=[u64],
@@ -199,8 +202,12 @@ class CudaDriver:
             self._lib.cuGetErrorName(result, ctypes.byref(name))
             raise CudaError(f"{call} failed: {(name.value or b'error %d' % result).decode()}")
 
-    def _use(self, ordinal: int) -> int:
-        """Make device `ordinal`'s primary context current; returns its CUdevice."""
+    @contextlib.contextmanager
+    def _on(self, ordinal: int) -> Iterator[None]:
+        """Run the block with device `ordinal`'s primary context current, then restore the previous
+        one (torch's current device follows the thread's current context)."""
+        previous = ctypes.c_void_p()
+        self._check("cuCtxGetCurrent", self._lib.cuCtxGetCurrent(ctypes.byref(previous)))
         device = ctypes.c_int()
         self._check("cuDeviceGet", self._lib.cuDeviceGet(ctypes.byref(device), ordinal))
         with self._lock:
@@ -213,7 +220,10 @@ class CudaDriver:
                 )
                 self._contexts[ordinal] = context
         self._check("cuCtxSetCurrent", self._lib.cuCtxSetCurrent(context))
-        return device.value
+        try:
+            yield
+        finally:
+            self._lib.cuCtxSetCurrent(previous)
 
     def devices(self) -> dict[bytes, int]:
         """uuid -> ordinal of every device this process sees."""
@@ -238,29 +248,29 @@ class CudaDriver:
     def export(self, pointer: int, ordinal: int) -> tuple[bytes, int]:
         """(IPC handle, offset of `pointer` in its allocation). A caching allocator hands out
         pieces of larger allocations, and the handle opens the whole allocation."""
-        self._use(ordinal)
         handle = _Handle()
-        self._check("cuIpcGetMemHandle", self._lib.cuIpcGetMemHandle(ctypes.byref(handle), pointer))
         base, size = ctypes.c_uint64(), ctypes.c_size_t()
-        self._check(
-            "cuMemGetAddressRange",
-            self._lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), pointer),
-        )
+        with self._on(ordinal):
+            self._check("cuIpcGetMemHandle", self._lib.cuIpcGetMemHandle(ctypes.byref(handle), pointer))
+            self._check(
+                "cuMemGetAddressRange",
+                self._lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), pointer),
+            )
         return ctypes.string_at(ctypes.byref(handle), 64), pointer - base.value
 
     def open(self, handle: bytes, ordinal: int) -> int:
         """Map another process's allocation on device `ordinal`; returns its base address."""
-        self._use(ordinal)
         raw = _Handle.from_buffer_copy(handle)
         pointer = ctypes.c_uint64()
-        self._check(
-            "cuIpcOpenMemHandle", self._open_fn(ctypes.byref(pointer), raw, _IPC_LAZY_ENABLE_PEER_ACCESS)
-        )
+        with self._on(ordinal):
+            self._check(
+                "cuIpcOpenMemHandle", self._open_fn(ctypes.byref(pointer), raw, _IPC_LAZY_ENABLE_PEER_ACCESS)
+            )
         return pointer.value
 
     def close(self, base: int, ordinal: int) -> None:
-        self._use(ordinal)
-        self._check("cuIpcCloseMemHandle", self._lib.cuIpcCloseMemHandle(base))
+        with self._on(ordinal):
+            self._check("cuIpcCloseMemHandle", self._lib.cuIpcCloseMemHandle(base))
 
 
 @dataclass

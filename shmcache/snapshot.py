@@ -227,7 +227,7 @@ def take_snapshot(
         stale=int((slots["state"] == SlotState.STALE).sum()),
         references=int(slots["refcount"].sum()),
         clients=int(client_alive.sum()),
-        gpu_entries=sum(1 for e in entries if e.state == "sealed" and e.gpu and not e.gpu["withdrawn"]),
+        gpu_entries=int((sealed & node.gpu_records_live()).sum()),
     )
     used = int(slots["size"][slots["state"] != SlotState.EMPTY].sum())
     node.release_views()

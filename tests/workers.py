@@ -160,3 +160,24 @@ def create_huge(config: CacheConfig) -> None:
     with bootstrap_lock(names, config.mode, 30.0):
         create(names, config)
     time.sleep(3600)
+
+
+FAKE_GPU_UUID = bytes(range(16))
+FAKE_IPC_HANDLE = b"\xab" * 64
+
+
+def fake_gpu_exporter(config: CacheConfig, name: str, ready: str) -> None:
+    """Seal `name` as a GPU entry would be sealed, with a record whose IPC handle is made up (this
+    machine has no GPU: only the CUDA copy is stood in for), then wait to be SIGKILLed."""
+    from shmcache.gpu import GpuRecord
+
+    cache = EmbeddingCache(config)
+    identity = cache._node.identity
+
+    def export(encoded: Any, slot: int, gen: int) -> GpuRecord:
+        return GpuRecord(gen, identity, 0, 4096, encoded.total_len, FAKE_GPU_UUID, FAKE_IPC_HANDLE)
+
+    cache._device.export = export  # type: ignore[method-assign]
+    cache.put(key_of(name), expected_value(name))
+    Path(ready).write_text(f"{identity.row} {identity.pid} {identity.start_ticks}")
+    time.sleep(3600)

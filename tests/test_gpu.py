@@ -1,0 +1,248 @@
+"""GPU entries on a machine without a GPU: records, routes, exporter death and export bookkeeping.
+
+The CUDA copies themselves are checked by tests/test_gpu_cuda.py and tools/gpu_check.py on a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+from shmcache import CacheConfig, EmbeddingCache, InvalidConfig, values
+from shmcache.gpu import DeviceMappings, ExporterId, Exports, GpuRecord, ReaderDevice, Route, choose_route
+from shmcache.inspect import render
+from shmcache.node import needle_of
+from shmcache.snapshot import take_snapshot
+from tests import workers
+from tests.helpers import kill, spawn, wait_for
+from tests.workers import FAKE_GPU_UUID, FAKE_IPC_HANDLE, expected_value, fingerprint, key_of
+
+OTHER_UUID = bytes(range(16, 32))
+RECORD = GpuRecord(7, ExporterId(3, 4242, 99), 1, 512, 8 << 20, FAKE_GPU_UUID, FAKE_IPC_HANDLE)
+
+
+def test_record_round_trips_and_a_torn_record_reads_as_none() -> None:
+    raw = RECORD.pack()
+    assert GpuRecord.unpack(raw) == RECORD
+    assert GpuRecord.unpack(RECORD.withdraw().pack()) == dataclasses.replace(RECORD, withdrawn=True)
+    for at in (0, 20, 60, 120):  # any flipped byte fails the crc
+        torn = bytearray(raw)
+        torn[at] ^= 0xFF
+        assert GpuRecord.unpack(bytes(torn)) is None
+    assert GpuRecord.unpack(bytes(len(raw))) is None  # never written
+
+
+def _reader(ordinal: int = 0) -> ReaderDevice:
+    """A CUDA process on device `ordinal` that sees the exporter's GPU as 0 and another as 1."""
+    devices = {FAKE_GPU_UUID: 0, OTHER_UUID: 1}
+    return ReaderDevice(ordinal, next(u for u, o in devices.items() if o == ordinal), devices)
+
+
+@pytest.mark.parametrize(
+    ("record", "alive", "reader", "peer", "route"),
+    [
+        (RECORD, True, None, True, Route.HOST),  # no CUDA in this process: host copy, zero-copy
+        (RECORD, True, "same", True, Route.ALIAS),
+        (RECORD, False, "same", True, Route.HOST_TO_DEVICE),  # dead exporter: never open its handle
+        (RECORD.withdraw(), True, "same", True, Route.HOST_TO_DEVICE),
+        (None, True, "same", True, Route.HOST_TO_DEVICE),  # e.g. pulled from the remote store
+        (RECORD, True, "other", True, Route.PEER),
+        (RECORD, True, "other", False, Route.HOST_TO_DEVICE),  # no peer access
+        (dataclasses.replace(RECORD, device_uuid=b"\xee" * 16), True, "same", True, Route.HOST_TO_DEVICE),
+    ],
+)
+def test_route_table(
+    record: GpuRecord | None, alive: bool, reader: str | None, peer: bool, route: Route
+) -> None:
+    device = None if reader is None else _reader(0 if reader == "same" else 1)
+    assert (
+        choose_route(record, exporter_alive=alive, reader=device, can_access_peer=lambda a, b: peer) is route
+    )
+
+
+def _slot_info(cache: EmbeddingCache, name: str):  # type: ignore[no-untyped-def]
+    info = cache._node.lookup(needle_of(key_of(name)), pins=0)
+    assert info is not None
+    return info
+
+
+def test_exporter_death_falls_back_to_the_host_copy_and_the_entry_survives(
+    config: CacheConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ready = tmp_path / "ready"
+    exporter = spawn(workers.fake_gpu_exporter, config, "gpu-frame", str(ready))
+    try:
+        wait_for(ready.exists, what="the exporter's seal")
+        wait_for(lambda: bool(ready.read_text()))
+        row, pid, ticks = map(int, ready.read_text().split())
+        with EmbeddingCache(config) as cache:
+            info = _slot_info(cache, "gpu-frame")
+            assert info.gpu is not None
+            assert info.gpu.exporter == ExporterId(row, pid, ticks) and pid == exporter.pid
+            assert (info.gpu.handle, info.gpu.offset, info.gpu.gen) == (FAKE_IPC_HANDLE, 4096, info.gen)
+            side = cache._device
+            assert side.reader() is None  # this process never initialised CUDA: it reads host copies
+            monkeypatch.setattr(side, "reader", lambda: _reader(0))  # as if it ran on the exporter's GPU
+            assert side.route(info) is Route.ALIAS
+            assert cache.stats()["gpu_entries"] == 1
+            snap = take_snapshot(config.namespace)
+            assert snap.entries[0].gpu == {
+                "device_uuid": FAKE_GPU_UUID.hex(),
+                "exporter_pid": pid,
+                "exporter_alive": True,
+                "withdrawn": False,
+                "bytes": info.gpu.nbytes,
+            }
+            assert f"pid {pid}" in render(snap) and f"pid {pid} DEAD" not in render(snap)
+
+            kill(exporter)
+            assert side.route(_slot_info(cache, "gpu-frame")) is Route.HOST_TO_DEVICE
+            assert cache.stats()["gpu_dead_exporter"] == 1
+            assert f"pid {pid} DEAD" in render(take_snapshot(config.namespace))
+            value = cache.get(key_of("gpu-frame"))  # the entry survives its exporter
+            assert value is not None and fingerprint(value) == fingerprint(expected_value("gpu-frame"))
+            del value
+            cache.gc()  # reap the dead exporter; its client row is free for the next process
+    finally:
+        kill(exporter)
+
+
+def test_a_reused_client_row_is_not_the_dead_exporter(config: CacheConfig, tmp_path: Path) -> None:
+    with EmbeddingCache(config) as keeper:  # keeps the namespace alive past the exporter's death
+        _sealed_by_a_killed_exporter(config, tmp_path)
+        assert keeper.gc() == 1  # the dead exporter's row is free again
+        with EmbeddingCache(config) as cache:  # and the next process to attach takes it
+            record = _slot_info(cache, "gpu-frame").gpu
+            assert record is not None
+            assert cache._node.client == record.exporter.row != keeper._node.client
+            assert cache._node.identity != record.exporter  # same row, another pid or start time
+            assert not cache._node.client_alive(record.exporter)
+            assert cache._node.client_alive(cache._node.identity)
+
+
+def _sealed_by_a_killed_exporter(config: CacheConfig, tmp_path: Path) -> None:
+    ready = tmp_path / "ready"
+    exporter = spawn(workers.fake_gpu_exporter, config, "gpu-frame", str(ready))
+    try:
+        wait_for(lambda: ready.exists() and bool(ready.read_text()), what="the exporter's seal")
+    finally:
+        kill(exporter)
+
+
+def test_records_of_earlier_generations_are_ignored(config: CacheConfig, tmp_path: Path) -> None:
+    with EmbeddingCache(config) as cache:
+        _sealed_by_a_killed_exporter(config, tmp_path)
+        node = cache._node
+        info = _slot_info(cache, "gpu-frame")
+        assert node.gpu_record(info.slot, info.gen) is not None
+        assert node.gpu_record(info.slot, info.gen + 1) is None
+        assert node.withdraw_gpu(info.slot, info.gen)
+        withdrawn = node.gpu_record(info.slot, info.gen)
+        assert withdrawn is not None and withdrawn.withdrawn
+        assert cache.stats()["gpu_entries"] == 0
+        assert "withdrawn" in render(take_snapshot(config.namespace))
+        node.drop(info.slot, info.gen)  # the slot's next generation is a CPU entry
+        cache.put(key_of("gpu-frame"), expected_value("gpu-frame"))
+        again = _slot_info(cache, "gpu-frame")
+        assert again.gen > info.gen and again.gpu is None
+
+
+def test_exports_are_freed_when_their_entry_leaves_and_withdrawn_lru_first(config: CacheConfig) -> None:
+    with EmbeddingCache(config) as cache:
+        node = cache._node
+        for name in ("a", "b", "c"):
+            cache.put(key_of(name), expected_value(name, 64))
+        slots = {name: _slot_info(cache, name) for name in ("a", "b", "c")}
+        exports = Exports(limit_bytes=3000)
+        for name in ("a", "b", "c"):  # stand-ins for device buffers: 1000 bytes each
+            exports.add(slots[name].slot, slots[name].gen, torch.empty(1000, dtype=torch.uint8))
+        assert exports.nbytes == 3000
+        assert exports.to_withdraw(1000) == [(slots["a"].slot, slots["a"].gen)]  # least recently used
+        exports.buffer(slots["a"].slot, slots["a"].gen)  # a used again: b is now the oldest
+        assert exports.to_withdraw(1500) == [(s.slot, s.gen) for s in (slots["b"], slots["c"])]
+        assert exports.sweep(node.entry_state) == 0  # all indexed, none withdrawn
+        exports.mark_withdrawn(slots["b"].slot, slots["b"].gen)
+        assert node.add_ref(slots["b"].slot, slots["b"].gen)  # a reader still holds b
+        assert exports.sweep(node.entry_state) == 0
+        node.unpin(slots["b"].slot, slots["b"].gen, 1)
+        assert exports.sweep(node.entry_state) == 1  # withdrawn and unreferenced
+        node.drop(slots["c"].slot, slots["c"].gen)  # evicted
+        assert exports.sweep(node.entry_state) == 1
+        assert exports.exported() == [(slots["a"].slot, slots["a"].gen)]
+
+
+def test_cpu_values_never_load_cuda(config: CacheConfig) -> None:
+    with EmbeddingCache(config) as cache:
+        value = cache.get_or_compute(key_of("cpu"), lambda: expected_value("cpu"))
+        assert value.device.type == "cpu"
+        assert cache._device._driver is None and not cache._device._driver_failed
+        stats = cache.stats()
+        assert stats["gpu_exports"] == stats["gpu_export_skips"] == stats["gpu_entries"] == 0
+
+
+def _as_device_born(encoded: bytes, lib: int) -> bytes:
+    """The encoding of a value whose array was on a GPU (lib 3 torch CUDA, 4 a CUDA array)."""
+    raw = bytearray(encoded)
+    assert raw[32] in (1, 2)  # the first descriptor's lib byte follows the 32-byte header
+    raw[32] = lib
+    return bytes(raw)
+
+
+def test_device_born_values_read_back_on_the_host_as_their_cpu_twin() -> None:
+    tensor = torch.randn(3, 5).to(torch.bfloat16)
+    encoded = _as_device_born(values.encode(tensor), 3)
+    assert values.parse(memoryview(encoded)).on_device
+    back = values.decode(encoded)
+    assert isinstance(back, torch.Tensor) and back.dtype == torch.bfloat16
+    assert torch.equal(back.view(torch.int16), tensor.view(torch.int16))
+    array = torch.arange(6, dtype=torch.float16).numpy()
+    host = values.decode(_as_device_born(values.encode(array), 4))
+    assert host.dtype == array.dtype and bytes(host) == bytes(array)
+    assert struct.unpack_from("<B", values.encode(tensor), 32)[0] == 1
+
+
+def test_gpu_settings_are_validated() -> None:
+    with pytest.raises(InvalidConfig, match="gpu_reads"):
+        CacheConfig(gpu_reads="device")  # type: ignore[arg-type]
+    with pytest.raises(InvalidConfig, match="gpu_export_bytes"):
+        CacheConfig(gpu_export_bytes=-1)
+
+
+class _RecordingDriver:
+    """Stands in for the CUDA driver's open and close of IPC handles (no GPU on this machine)."""
+
+    def __init__(self) -> None:
+        self.opened: list[bytes] = []
+        self.closed: list[int] = []
+
+    def open(self, handle: bytes, ordinal: int) -> int:
+        self.opened.append(handle)
+        return 0x7000_0000 + 0x100_0000 * len(self.opened)
+
+    def close(self, base: int, ordinal: int) -> None:
+        self.closed.append(base)
+
+
+def test_each_handle_is_opened_once_and_closed_only_without_views() -> None:
+    driver = _RecordingDriver()
+    mappings = DeviceMappings(driver)  # type: ignore[arg-type]
+    alive, dead = ExporterId(1, 100, 1), ExporterId(2, 200, 2)
+    base = mappings.acquire(alive, b"h1", 0)
+    assert mappings.acquire(alive, b"h1", 0) == base  # a second entry in the same allocation
+    other = mappings.acquire(dead, b"h2", 0)
+    assert driver.opened == [b"h1", b"h2"]
+    mappings.release(alive, b"h1", base)
+    mappings.release(alive, b"h1", base)
+    assert driver.closed == [] and len(mappings) == 2  # idle mappings stay open for the next hit
+    mappings.retire(dead)  # its exporter died while a view is alive: closed at that view's end
+    assert driver.closed == []
+    mappings.release(dead, b"h2", other)
+    assert driver.closed == [other]
+    assert mappings.acquire(alive, b"h1", 0) == base and len(driver.opened) == 2
+    mappings.release(alive, b"h1", base)
+    mappings.close_all()
+    assert driver.closed == [other, base] and len(mappings) == 0

@@ -1,0 +1,295 @@
+"""Device check of GPU entries, for a machine with a CUDA GPU (a few minutes at most).
+
+    python3 tools/gpu_check.py [--json FILE]
+
+In real spawned processes sharing one namespace, it checks:
+
+1. zero copy: a reader on the exporter's GPU gets an alias (route `alias`), allocates no device
+   memory for it, and sees the exporter's in-place change of its copy: the same device memory;
+2. bf16 and fp16 values come back bit-identical through every route: alias, host copy in a
+   process without CUDA, and (3) host-to-device copy;
+3. after the exporter is SIGKILLed, a new reader gets the value from the host copy (route
+   `host_to_device`, the dead exporter counted), bit-identical, and the entry survives;
+4. latency: p50 of an 8 MiB GPU hit against one device-to-device copy and one host-to-device
+   copy of 8 MiB (pageable and pinned);
+5. the peer route, where the machine has two GPUs with peer access (else reported as not run).
+
+Exit status 0 when every check passed. On the lent device machine the image lacks posix_ipc and
+blake3: docs/gpu.md says how to carry their wheels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import signal
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+import xxhash
+
+from shmcache import CacheConfig, EmbeddingCache, destroy_namespace
+from tools.bench_node import key as key_of
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+VALUE_BYTES = 8 << 20
+_TIMEOUT_S = 120.0
+
+
+def fingerprint(value: torch.Tensor) -> str:
+    return xxhash.xxh3_128_hexdigest(value.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+
+
+def _value(name: str) -> torch.Tensor:
+    generator = torch.Generator(device="cuda").manual_seed(len(name))
+    return torch.randn(VALUE_BYTES // 2, generator=generator, device="cuda").to(DTYPES[name])
+
+
+def exporter(config: CacheConfig, commands: Any, replies: Any) -> None:
+    """Put one 8 MiB value per dtype from CUDA memory, then follow the parent's commands."""
+    cache = EmbeddingCache(config)
+    originals = {name: _value(name) for name in DTYPES}
+    for name, value in originals.items():
+        cache.put(key_of(name), value)
+    own: dict[str, torch.Tensor] = {}
+    for name in DTYPES:
+        mine = cache.get(key_of(name))
+        assert isinstance(mine, torch.Tensor) and mine.is_cuda, "the exporter reads its own copy"
+        own[name] = mine
+    replies.put({name: fingerprint(value) for name, value in originals.items()})
+    saved: dict[str, torch.Tensor] = {}
+    while True:
+        command, name = commands.get()
+        if command == "mutate":  # change our exported copy in place
+            saved[name] = own[name].view(torch.int16)[:16].clone()
+            own[name].view(torch.int16)[:16] = 12345
+        elif command == "restore":
+            own[name].view(torch.int16)[:16] = saved.pop(name)
+        torch.cuda.synchronize()
+        replies.put(command)
+
+
+def reader(config: CacheConfig, device: int | None, commands: Any, replies: Any) -> None:
+    """Follow the parent's commands: get values, peek at held ones, time hits, report stats.
+    With `device`, this process uses CUDA on that device; without, it never initialises CUDA."""
+    use_cuda = device is not None
+    if device is not None:
+        torch.cuda.set_device(device)
+        torch.zeros(1, device="cuda")
+    cache = EmbeddingCache(config)
+    held: dict[str, Any] = {}
+    while True:
+        command, name = commands.get()
+        if command == "get":
+            before = torch.cuda.memory_allocated() if use_cuda else 0
+            value = cache.get(key_of(name))
+            assert value is not None, f"{name}: miss"
+            held[name] = value
+            replies.put(
+                {
+                    "device": str(value.device),
+                    "fingerprint": fingerprint(value),
+                    "allocated": (torch.cuda.memory_allocated() - before) if use_cuda else 0,
+                }
+            )
+        elif command == "peek":
+            replies.put(held[name].view(torch.int16)[:16].cpu().tolist())
+        elif command == "drop":
+            held.clear()
+            cache.flush_releases()
+            replies.put("dropped")
+        elif command == "bench":
+            replies.put(_bench(cache, name))
+        elif command == "stats":
+            replies.put(cache.stats())
+        elif command == "stop":
+            cache.close()
+            replies.put("stopped")
+            return
+
+
+def _p50_us(run: Callable[[], object], n: int = 200, between: Callable[[], object] | None = None) -> float:
+    samples = []
+    for _ in range(n):
+        if between is not None:
+            between()
+        start = time.perf_counter()
+        run()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples) * 1e6
+
+
+def _bench(cache: EmbeddingCache, name: str) -> dict[str, float]:
+    """p50 of a GPU hit (the mapping already open, as after the first), a repeat hit, and copies."""
+    key = key_of(name)
+    cache.get(key)
+    cache.flush_releases()
+
+    def hit() -> None:
+        value = cache.get(key)
+        assert value is not None and value.is_cuda
+
+    # between hits the value is dropped and its pin released: each get is a node hit, not a repeat
+    node_hit = _p50_us(hit, between=cache.flush_releases)
+    held = cache.get(key)
+    src = torch.empty(VALUE_BYTES, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    pageable = torch.empty(VALUE_BYTES, dtype=torch.uint8)
+    pinned = pageable.pin_memory()
+
+    def copy(source: torch.Tensor) -> Callable[[], None]:
+        def run() -> None:
+            dst.copy_(source)
+            torch.cuda.synchronize()
+
+        return run
+
+    result = {
+        "gpu_hit_us": node_hit,
+        "gpu_repeat_hit_us": _p50_us(lambda: cache.get(key)),
+        "d2d_copy_us": _p50_us(copy(src)),
+        "h2d_pageable_us": _p50_us(copy(pageable)),
+        "h2d_pinned_us": _p50_us(copy(pinned)),
+    }
+    del held
+    return result
+
+
+class _Process:
+    """A spawned worker with a command queue and a reply queue."""
+
+    def __init__(self, target: Callable[..., None], *args: Any) -> None:
+        ctx = mp.get_context("spawn")
+        self.commands, self.replies = ctx.Queue(), ctx.Queue()
+        self.proc = ctx.Process(target=target, args=(*args, self.commands, self.replies), daemon=True)
+        self.proc.start()
+
+    def ask(self, command: str, name: str = "") -> Any:
+        self.commands.put((command, name))
+        return self.reply()
+
+    def reply(self) -> Any:
+        return self.replies.get(timeout=_TIMEOUT_S)
+
+    def kill(self) -> None:
+        if self.proc.pid is not None and self.proc.is_alive():
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.join(10)
+
+
+def run_checks() -> dict[str, Any]:
+    """Run every check; returns {"checks": {name: passed}, "figures": {...}, "notes": [...]}."""
+    namespace = f"gpu-check-{os.getpid()}"
+    config = CacheConfig(enable_embedding_cache=True, namespace=namespace, capacity_bytes=256 << 20)
+    checks: dict[str, bool] = {}
+    figures: dict[str, Any] = {}
+    notes: list[str] = []
+    workers: list[_Process] = []
+    try:
+        export = _Process(exporter, config)
+        workers.append(export)
+        truth = export.reply()
+        gpu_reader = _Process(reader, config, 0)
+        cpu_reader = _Process(reader, config, None)
+        workers += [gpu_reader, cpu_reader]
+        for name in DTYPES:
+            got = gpu_reader.ask("get", name)
+            checks[f"alias {name} bit-identical"] = (
+                got["fingerprint"] == truth[name] and got["device"] == "cuda:0"
+            )
+            checks[f"alias {name} allocates no device memory"] = got["allocated"] == 0
+            host = cpu_reader.ask("get", name)
+            checks[f"host copy {name} bit-identical on CPU"] = (
+                host["fingerprint"] == truth[name] and host["device"] == "cpu"
+            )
+        before = gpu_reader.ask("peek", "bf16")
+        export.ask("mutate", "bf16")
+        during = gpu_reader.ask("peek", "bf16")
+        export.ask("restore", "bf16")
+        after = gpu_reader.ask("peek", "bf16")
+        checks["zero copy: the reader sees the exporter's in-place change"] = (
+            during == [12345] * 16 and before == after != during
+        )
+        stats = gpu_reader.ask("stats")
+        checks["reads took the alias route"] = stats["gpu_hits_alias"] >= 2 and stats["gpu_exports"] == 2
+        gpu_reader.ask("drop")
+        figures.update(gpu_reader.ask("bench", "bf16"))
+        figures["stats_before_kill"] = {k: v for k, v in stats.items() if k.startswith("gpu_")}
+        checks.update(_peer(config, truth, notes))
+        gpu_reader.ask("drop")
+        export.kill()
+        late = _Process(reader, config, 0)
+        workers.append(late)
+        for name in DTYPES:
+            got = late.ask("get", name)
+            checks[f"after the exporter's SIGKILL: {name} from the host copy, bit-identical"] = (
+                got["fingerprint"] == truth[name] and got["device"] == "cuda:0"
+            )
+        stats = late.ask("stats")
+        checks["after the exporter's SIGKILL: host-to-device route, dead exporter counted"] = (
+            stats["gpu_hits_host_copy"] >= 2 and stats["gpu_dead_exporter"] >= 2 and stats["entries"] == 2
+        )
+        figures["stats_after_kill"] = {k: v for k, v in stats.items() if k.startswith("gpu_")}
+        for worker in (gpu_reader, cpu_reader, late):
+            worker.ask("stop")
+    finally:
+        for worker in workers:
+            worker.kill()
+        destroy_namespace(namespace)
+    return {"checks": checks, "figures": figures, "notes": notes}
+
+
+def _peer(config: CacheConfig, truth: dict[str, str], notes: list[str]) -> dict[str, bool]:
+    """A reader on GPU 1 gets the exporter's GPU 0 values through the peer route."""
+    if torch.cuda.device_count() < 2 or not torch.cuda.can_device_access_peer(1, 0):
+        notes.append(f"peer route not run: {torch.cuda.device_count()} GPU(s) visible, no peer pair")
+        return {}
+    peer = _Process(reader, config, 1)
+    try:
+        got = {name: peer.ask("get", name) for name in DTYPES}
+        stats = peer.ask("stats")
+        peer.ask("stop")
+    finally:
+        peer.kill()
+    return {
+        "peer route: on GPU 1, bit-identical": all(
+            got[name]["fingerprint"] == truth[name] and got[name]["device"] == "cuda:1" for name in DTYPES
+        ),
+        "peer route taken": stats["gpu_hits_peer"] >= 2,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", type=Path, help="also write the report here")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here; nothing was checked")
+        return 2
+    started = time.monotonic()
+    report = run_checks()
+    report["device"] = torch.cuda.get_device_name(0)
+    report["seconds"] = round(time.monotonic() - started, 1)
+    for name, passed in report["checks"].items():
+        print(f"{'PASS' if passed else 'FAIL'}  {name}")
+    for name, figure in report["figures"].items():
+        print(f"      {name}: {figure if isinstance(figure, dict) else f'{figure:.1f}'}")
+    for note in report["notes"]:
+        print(f"note  {note}")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    return 0 if all(report["checks"].values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
