@@ -528,8 +528,11 @@ class EmbeddingCache:
         try:
             info = node.seal(slot, gen, pins, gpu)
         finally:
-            if gpu is not None and node.gpu_record(slot, gen) is None:
-                self._device.exports.discard(slot, gen)  # fenced off: nobody will read our copy
+            if gpu is not None:
+                if node.gpu_record(slot, gen) is None:
+                    self._device.exports.discard(slot, gen)  # fenced off: nobody will read our copy
+                else:
+                    self._device.exports.published(slot, gen)
         if info is None:
             raise ReservationLost(f"{key!r}: reservation (slot {slot}, gen {gen}) was taken over")
         node.count("puts")
@@ -708,6 +711,9 @@ class EmbeddingCache:
         now = time.monotonic()
         if state != SlotState.SEALED or cur_gen != gen or node.expired(slot, now):
             return None
+        template = found.template() if found.template is not None else None
+        if template is None and found.parsed.on_device:
+            return None  # a GPU entry's device arrays are made by a full delivery (its route)
         self._check_unmodified(key, holder, slot, gen)
         if request_id is not None:
             if not node.add_ref(slot, gen):
@@ -717,7 +723,6 @@ class EmbeddingCache:
         node.touch(slot, now)
         if count:
             node.count("hits_process")
-        template = found.template() if found.template is not None else None
         if template is not None:
             return values.alias(template)
         return values.materialize(holder, found.parsed, base=entry.ENTRY_HEADER_SIZE)
@@ -741,6 +746,7 @@ class EmbeddingCache:
         """Unpin a batch of released views; True when this thread should stop."""
         pins = [item for item in batch if item is not None]
         try:
+            self._device.settle()  # kernels still reading released GPU aliases finish first
             self._node.unpin_many(pins)
             if pins:
                 self._device.sweep()  # released entries may have let exported device copies go

@@ -7,10 +7,12 @@ process that has initialised CUDA itself; CPU-only processes read the host copy.
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import threading
 import weakref
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +22,16 @@ from shmcache import values
 from shmcache.dtypes import torch_dtype
 from shmcache.entry import ENTRY_HEADER_SIZE
 from shmcache.errors import CudaError
-from shmcache.gpu import CudaDriver, DeviceMappings, Exports, GpuRecord, ReaderDevice, Route, choose_route
+from shmcache.gpu import (
+    CudaDriver,
+    DeviceMappings,
+    ExporterId,
+    Exports,
+    GpuRecord,
+    ReaderDevice,
+    Route,
+    choose_route,
+)
 from shmcache.node import NodeIndex, SlotInfo
 
 if TYPE_CHECKING:
@@ -38,9 +49,12 @@ _COUNTER = {
 
 class _DeviceBytes:
     """A CUDA array interface over `nbytes` device bytes at `pointer`; keeps `owner` alive for as
-    long as any tensor made from it (torch holds the interface object until its storage dies)."""
+    long as any tensor made from it (torch holds the interface object until its storage dies).
 
-    def __init__(self, pointer: int, nbytes: int, owner: object) -> None:
+    When the last tensor goes, `fence()` runs before `owner` is released: it records an event
+    after the kernels already queued on the memory, which the release path waits for."""
+
+    def __init__(self, pointer: int, nbytes: int, owner: object, fence: Callable[[], None]) -> None:
         self.__cuda_array_interface__ = {
             "shape": (nbytes,),
             "typestr": "|u1",
@@ -49,6 +63,13 @@ class _DeviceBytes:
             "strides": None,
         }
         self.owner = owner
+        self._fence = fence
+
+    def __del__(self) -> None:
+        try:
+            self._fence()
+        except Exception as exc:  # interpreter shutdown, a lost context: nothing left to wait for
+            log.debug("shmcache: recording a release fence failed: %s", exc)
 
 
 class DeviceSide:
@@ -64,6 +85,8 @@ class DeviceSide:
         self._mappings: DeviceMappings | None = None
         self._visible: dict[bytes, int] | None = None
         self._lock = threading.Lock()
+        self._fences: deque[Any] = deque()  # CUDA events after the last use of released aliases
+        self._unmapped: deque[tuple[ExporterId, bytes, int]] = deque()  # released aliases' mappings
 
     # ----------------------------------------------------------------- driver
     def _cuda(self) -> CudaDriver | None:
@@ -92,8 +115,8 @@ class DeviceSide:
         need = encoded.total_len
         self.sweep()
         for old_slot, old_gen in exports.to_withdraw(need):
-            node.withdraw_gpu(old_slot, old_gen)
-            exports.mark_withdrawn(old_slot, old_gen)
+            if node.withdraw_gpu(old_slot, old_gen):  # else its entry is gone: the sweep frees it
+                exports.mark_withdrawn(old_slot, old_gen)
         self.sweep()
         driver = self._cuda()
         if driver is None or exports.nbytes + need > exports.limit_bytes:
@@ -132,7 +155,23 @@ class DeviceSide:
                 log.debug("shmcache: withdrawing GPU records failed: %s", exc)
                 return
 
+    def settle(self) -> None:
+        """Before released pins are dropped: wait for the kernels queued on released aliases, then
+        give their mappings back. Runs in the release thread (and in `flush_releases`)."""
+        while self._fences:
+            self._fences.popleft().synchronize()
+        while self._unmapped and self._mappings is not None:
+            self._mappings.release(*self._unmapped.popleft())
+
+    def _fence(self, ordinal: int) -> None:
+        import torch
+
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(torch.cuda.current_stream(ordinal))
+        self._fences.append(event)
+
     def close(self) -> None:
+        self.settle()
         self.withdraw_all()
         if self._mappings is not None:
             self._mappings.close_all()
@@ -179,18 +218,28 @@ class DeviceSide:
             return None
         reader = self.reader()
         assert reader is not None
+        if route is not Route.HOST_TO_DEVICE and info.gpu is not None:
+            try:
+                return self._from_mapping(holder, info.slot, info.gpu, parsed, reader, route, copy)
+            except RuntimeError as exc:  # CudaError, or the exporter died after the liveness check
+                log.info("shmcache: reading the host copy instead of a GPU mapping: %s", exc)
+        return self._build(
+            holder, parsed, reader, Route.HOST_TO_DEVICE, copy, self._host_to_device(holder, reader)
+        )
+
+    def _build(
+        self,
+        holder: np.ndarray[Any, Any],
+        parsed: values.ParsedValue,
+        reader: ReaderDevice,
+        route: Route,
+        copy: bool,
+        source: Callable[[values.ArraySpec], torch.Tensor],
+    ) -> values.Value:
+        """The value with its device arrays made from `source` (uint8 CUDA bytes of an array)."""
         import torch
 
         target = torch.device("cuda", reader.ordinal)
-        source = None
-        if route is not Route.HOST_TO_DEVICE and info.gpu is not None:
-            try:
-                source = self._mapped(holder, info.slot, info.gpu, reader)
-            except CudaError as exc:  # the exporter may have died after the liveness check
-                log.info("shmcache: reading the host copy instead of a GPU mapping: %s", exc)
-                route = Route.HOST_TO_DEVICE
-        if source is None:
-            source = self._host_to_device(holder, target)
 
         def build(spec: values.ArraySpec) -> Any:
             dtype = torch_dtype(spec.dtype)
@@ -204,39 +253,69 @@ class DeviceSide:
             return _as_library(tensor, spec)
 
         value = values.materialize(holder, parsed, copy=copy, base=ENTRY_HEADER_SIZE, device=build)
-        if route is Route.PEER or (route is Route.ALIAS and copy):
-            # copies out of mapped memory must end before the entry's pin can be released
-            assert info.gpu is not None
-            for ordinal in {reader.ordinal, reader.visible[info.gpu.device_uuid]}:
-                torch.cuda.synchronize(ordinal)
         self._node.count(_COUNTER[route])
         return value
 
-    def _mapped(
-        self, holder: np.ndarray[Any, Any], slot: int, record: GpuRecord, reader: ReaderDevice
-    ) -> Callable[[values.ArraySpec], torch.Tensor]:
-        """Array spec -> uint8 CUDA tensor of its bytes in the exported device copy (zero-copy)."""
+    def _from_mapping(
+        self,
+        holder: np.ndarray[Any, Any],
+        slot: int,
+        record: GpuRecord,
+        parsed: values.ParsedValue,
+        reader: ReaderDevice,
+        route: Route,
+        copy: bool,
+    ) -> values.Value:
+        """Alias (or copy, for the peer route and clone mode) the exported device copy."""
         import torch
 
         if record.exporter == self._me:  # our own export: slices keep our buffer alive
             own = self.exports.buffer(slot, record.gen)
             if own is None:
                 raise CudaError("this process withdrew the entry's device copy")
-            return lambda spec: own[spec.offset : spec.offset + spec.nbytes]
+            return self._build(
+                holder, parsed, reader, route, copy, lambda spec: own[spec.offset : spec.offset + spec.nbytes]
+            )
         mappings = self._mappings
         if mappings is None:
             raise CudaError("CUDA IPC is unavailable in this process")
-        base = mappings.acquire(record.exporter, record.handle, reader.visible[record.device_uuid])
-        weakref.finalize(holder, mappings.release, record.exporter, record.handle, base)
+        ordinal = reader.visible[record.device_uuid]
+        device = torch.device("cuda", ordinal)
+        base = mappings.acquire(record.exporter, record.handle, ordinal)
         start = base + record.offset
-        return lambda spec: torch.as_tensor(_DeviceBytes(start + spec.offset, spec.nbytes, holder))
+        fence = functools.partial(self._fence, ordinal)
+        keep = route is Route.ALIAS and not copy  # the returned tensors alias the mapping
+        try:
+            value = self._build(
+                holder,
+                parsed,
+                reader,
+                route,
+                copy,
+                lambda spec: torch.as_tensor(
+                    _DeviceBytes(start + spec.offset, spec.nbytes, holder, fence), device=device
+                ),
+            )
+            if not keep:  # copies out of the mapping end before its pin and mapping are released
+                for used in {reader.ordinal, ordinal}:
+                    torch.cuda.current_stream(used).synchronize()
+        except BaseException:
+            mappings.release(record.exporter, record.handle, base)
+            raise
+        if keep:
+            weakref.finalize(holder, self._unmapped.append, (record.exporter, record.handle, base))
+        else:
+            mappings.release(record.exporter, record.handle, base)
+        return value
 
     @staticmethod
     def _host_to_device(
-        holder: np.ndarray[Any, Any], target: torch.device
+        holder: np.ndarray[Any, Any], reader: ReaderDevice
     ) -> Callable[[values.ArraySpec], torch.Tensor]:
         """Array spec -> uint8 CUDA tensor copied from the host copy (synchronous: pageable memory)."""
         import torch
+
+        target = torch.device("cuda", reader.ordinal)
 
         def source(spec: values.ArraySpec) -> torch.Tensor:
             start = ENTRY_HEADER_SIZE + spec.offset

@@ -251,11 +251,11 @@ class CudaDriver:
         handle = _Handle()
         base, size = ctypes.c_uint64(), ctypes.c_size_t()
         with self._on(ordinal):
-            self._check("cuIpcGetMemHandle", self._lib.cuIpcGetMemHandle(ctypes.byref(handle), pointer))
             self._check(
                 "cuMemGetAddressRange",
                 self._lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), pointer),
             )
+            self._check("cuIpcGetMemHandle", self._lib.cuIpcGetMemHandle(ctypes.byref(handle), base))
         return ctypes.string_at(ctypes.byref(handle), 64), pointer - base.value
 
     def open(self, handle: bytes, ordinal: int) -> int:
@@ -278,7 +278,6 @@ class _Opened:
     base: int
     ordinal: int
     views: int = 0
-    retired: bool = False  # close at the last view's release
 
 
 class DeviceMappings:
@@ -289,13 +288,14 @@ class DeviceMappings:
     def __init__(self, driver: CudaDriver) -> None:
         self._driver = driver
         self._opened: OrderedDict[tuple[ExporterId, bytes], _Opened] = OrderedDict()
-        self._lock = threading.Lock()
+        self._retired: dict[int, _Opened] = {}  # by base: dead exporters' mappings with live views
+        self._lock = threading.RLock()
 
     def acquire(self, exporter: ExporterId, handle: bytes, ordinal: int) -> int:
         """The base address of `handle` (opened now if needed), counted as one more live view."""
         with self._lock:
             opened = self._opened.get((exporter, handle))
-            if opened is None or opened.retired:
+            if opened is None:
                 opened = _Opened(self._driver.open(handle, ordinal), ordinal)
                 self._opened[(exporter, handle)] = opened
             self._opened.move_to_end((exporter, handle))
@@ -307,29 +307,32 @@ class DeviceMappings:
         """One view of the mapping at `base` is gone."""
         with self._lock:
             opened = self._opened.get((exporter, handle))
-            if opened is None or opened.base != base:
-                return  # retired and replaced; the retired one was closed at its last view
-            opened.views -= 1
-            if opened.retired and opened.views == 0:
-                del self._opened[(exporter, handle)]
-                self._close(opened)
+            if opened is not None and opened.base == base:
+                opened.views -= 1
+                return
+            retired = self._retired.get(base)
+            if retired is not None:
+                retired.views -= 1
+                if retired.views == 0:
+                    self._close(self._retired.pop(base))
 
     def retire(self, exporter: ExporterId) -> None:
         """`exporter` is gone: close its idle mappings now, the others at their last view."""
         with self._lock:
             for found, opened in list(self._opened.items()):
                 if found[0] == exporter:
-                    opened.retired = True
+                    del self._opened[found]
                     if opened.views == 0:
-                        del self._opened[found]
                         self._close(opened)
+                    else:
+                        self._retired[opened.base] = opened
 
     def close_all(self) -> None:
         with self._lock:
             self._close_idle(keep=0)
 
     def __len__(self) -> int:
-        return len(self._opened)
+        return len(self._opened) + len(self._retired)
 
     def _close_idle(self, keep: int) -> None:
         idle = [found for found, opened in self._opened.items() if opened.views == 0]
@@ -346,11 +349,15 @@ class DeviceMappings:
 @dataclass
 class _Export:
     buffer: torch.Tensor
+    pending: bool = True  # exported, not sealed yet: its entry is still a reservation
     withdrawn: bool = False
 
 
 class Exports:
-    """The device buffers this process exported, by (slot, gen), until their entry leaves the index."""
+    """The device buffers this process exported, by (slot, gen), until their entry leaves the index.
+
+    An export is pending from `add` until `published` (after the seal): sweeps and withdrawals
+    leave it alone, as its entry is not in the index yet."""
 
     def __init__(self, limit_bytes: int) -> None:
         self.limit_bytes = limit_bytes
@@ -365,6 +372,13 @@ class Exports:
     def add(self, slot: int, gen: int, buffer: torch.Tensor) -> None:
         with self._lock:
             self._exports[(slot, gen)] = _Export(buffer)
+
+    def published(self, slot: int, gen: int) -> None:
+        """The entry of (slot, gen) was sealed with our record."""
+        with self._lock:
+            export = self._exports.get((slot, gen))
+            if export is not None:
+                export.pending = False
 
     def discard(self, slot: int, gen: int) -> None:
         with self._lock:
@@ -383,7 +397,7 @@ class Exports:
         """Free buffers whose entry left the index, or that were withdrawn and are unreferenced.
         `state(slot, gen)` -> (entry still indexed, references). Returns how many were freed."""
         with self._lock:
-            items = list(self._exports.items())
+            items = [(found, export) for found, export in self._exports.items() if not export.pending]
         freed = 0
         for (slot, gen), export in items:
             indexed, references = state(slot, gen)
@@ -394,14 +408,14 @@ class Exports:
         return freed
 
     def to_withdraw(self, need: int) -> list[tuple[int, int]]:
-        """Least recently used exports to withdraw so that `need` more bytes fit the limit."""
+        """Least recently used published exports to withdraw so that `need` more bytes fit the limit."""
         with self._lock:
             total = sum(export.buffer.nbytes for export in self._exports.values())
             chosen = []
             for found, export in self._exports.items():
                 if total + need <= self.limit_bytes:
                     break
-                if not export.withdrawn:
+                if not export.withdrawn and not export.pending:
                     chosen.append(found)
                     total -= export.buffer.nbytes
             return chosen

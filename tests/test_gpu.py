@@ -154,17 +154,22 @@ def test_records_of_earlier_generations_are_ignored(config: CacheConfig, tmp_pat
 def test_exports_are_freed_when_their_entry_leaves_and_withdrawn_lru_first(config: CacheConfig) -> None:
     with EmbeddingCache(config) as cache:
         node = cache._node
-        for name in ("a", "b", "c"):
+        names = ("a", "b", "c", "pending")
+        for name in names:
             cache.put(key_of(name), expected_value(name, 64))
-        slots = {name: _slot_info(cache, name) for name in ("a", "b", "c")}
+        slots = {name: _slot_info(cache, name) for name in names}
         exports = Exports(limit_bytes=3000)
-        for name in ("a", "b", "c"):  # stand-ins for device buffers: 1000 bytes each
+        for name in names:  # stand-ins for device buffers: 1000 bytes each
             exports.add(slots[name].slot, slots[name].gen, torch.empty(1000, dtype=torch.uint8))
-        assert exports.nbytes == 3000
-        assert exports.to_withdraw(1000) == [(slots["a"].slot, slots["a"].gen)]  # least recently used
+        for name in ("a", "b", "c"):  # sealed with our record; "pending" is still being committed
+            exports.published(slots[name].slot, slots[name].gen)
+        pending = (slots["pending"].slot, slots["pending"].gen)
+        node.drop(*pending)  # whatever the index says about a pending export ...
+        assert exports.nbytes == 4000
+        assert exports.to_withdraw(0) == [(slots["a"].slot, slots["a"].gen)]  # least recently used
         exports.buffer(slots["a"].slot, slots["a"].gen)  # a used again: b is now the oldest
-        assert exports.to_withdraw(1500) == [(s.slot, s.gen) for s in (slots["b"], slots["c"])]
-        assert exports.sweep(node.entry_state) == 0  # all indexed, none withdrawn
+        assert exports.to_withdraw(500) == [(s.slot, s.gen) for s in (slots["b"], slots["c"])]
+        assert exports.sweep(node.entry_state) == 0  # ... it is neither withdrawn nor freed
         exports.mark_withdrawn(slots["b"].slot, slots["b"].gen)
         assert node.add_ref(slots["b"].slot, slots["b"].gen)  # a reader still holds b
         assert exports.sweep(node.entry_state) == 0
@@ -172,7 +177,7 @@ def test_exports_are_freed_when_their_entry_leaves_and_withdrawn_lru_first(confi
         assert exports.sweep(node.entry_state) == 1  # withdrawn and unreferenced
         node.drop(slots["c"].slot, slots["c"].gen)  # evicted
         assert exports.sweep(node.entry_state) == 1
-        assert exports.exported() == [(slots["a"].slot, slots["a"].gen)]
+        assert exports.exported() == [pending, (slots["a"].slot, slots["a"].gen)]
 
 
 def test_cpu_values_never_load_cuda(config: CacheConfig) -> None:

@@ -24,9 +24,11 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import queue
 import signal
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -50,9 +52,31 @@ def fingerprint(value: torch.Tensor) -> str:
     return xxhash.xxh3_128_hexdigest(value.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
 
 
-def _value(name: str) -> torch.Tensor:
-    generator = torch.Generator(device="cuda").manual_seed(len(name))
-    return torch.randn(VALUE_BYTES // 2, generator=generator, device="cuda").to(DTYPES[name])
+def _value(name: str, nbytes: int = VALUE_BYTES) -> torch.Tensor:
+    generator = torch.Generator(device="cuda").manual_seed(int(xxhash.xxh32_intdigest(name.encode())))
+    dtype = DTYPES.get(name, torch.bfloat16)
+    return torch.randn(nbytes // 2, generator=generator, device="cuda").to(dtype)
+
+
+def concurrent_exporter(
+    config: CacheConfig, threads: int, per_thread: int, commands: Any, replies: Any
+) -> None:
+    """Threads put distinct small CUDA values at once (exports racing sweeps and withdrawals)."""
+    cache = EmbeddingCache(config)
+    names = [[f"c{t}-{i}" for i in range(per_thread)] for t in range(threads)]
+
+    def put_all(batch: list[str]) -> None:
+        for name in batch:
+            cache.put(key_of(name), _value(name, 64 << 10))
+            cache.flush_releases()
+
+    workers = [threading.Thread(target=put_all, args=(batch,)) for batch in names]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    replies.put({name: fingerprint(_value(name, 64 << 10)) for batch in names for name in batch})
+    commands.get()  # stay alive (exporting) until the parent is done
 
 
 def exporter(config: CacheConfig, commands: Any, replies: Any) -> None:
@@ -179,7 +203,11 @@ class _Process:
         return self.reply()
 
     def reply(self) -> Any:
-        return self.replies.get(timeout=_TIMEOUT_S)
+        try:
+            return self.replies.get(timeout=_TIMEOUT_S)
+        except queue.Empty:
+            state = "alive" if self.proc.is_alive() else f"exited with {self.proc.exitcode}"
+            raise RuntimeError(f"no reply within {_TIMEOUT_S}s from a worker ({state})") from None
 
     def kill(self) -> None:
         if self.proc.pid is not None and self.proc.is_alive():
@@ -240,6 +268,12 @@ def run_checks() -> dict[str, Any]:
             stats["gpu_hits_host_copy"] >= 2 and stats["gpu_dead_exporter"] >= 2 and stats["entries"] == 2
         )
         figures["stats_after_kill"] = {k: v for k, v in stats.items() if k.startswith("gpu_")}
+        racing = _Process(concurrent_exporter, config, 4, 16)
+        workers.append(racing)
+        expected = racing.reply()
+        got = {name: late.ask("get", name)["fingerprint"] for name in expected}
+        checks["4 threads exporting 64 values at once: every value bit-identical"] = got == expected
+        racing.commands.put(("stop", ""))
         for worker in (gpu_reader, cpu_reader, late):
             worker.ask("stop")
     finally:
@@ -277,7 +311,14 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_check: no CUDA device here; nothing was checked")
         return 2
     started = time.monotonic()
-    report = run_checks()
+    try:
+        report = run_checks()
+    except Exception as exc:  # a worker died or hung: a failed check, with the reason
+        report = {
+            "checks": {f"the checks ran to the end ({type(exc).__name__}: {exc})": False},
+            "figures": {},
+            "notes": [],
+        }
     report["device"] = torch.cuda.get_device_name(0)
     report["seconds"] = round(time.monotonic() - started, 1)
     for name, passed in report["checks"].items():
