@@ -161,7 +161,11 @@ def _array(value: Any, name: str = "") -> _Array:
     if _is_cuda_array(value):
         import torch
 
-        value, lib = torch.as_tensor(value), _LIB_CUDA_ARRAY  # zero-copy through the interface
+        # zero-copy; DLPack (cupy has it) also orders the producer's stream before our reads
+        value = (
+            torch.utils.dlpack.from_dlpack(value) if hasattr(value, "__dlpack__") else torch.as_tensor(value)
+        )
+        lib = _LIB_CUDA_ARRAY
     device = None
     if _is_tensor(value) and value.device.type == "cuda":
         device = value.detach().resolve_conj().resolve_neg().contiguous()
