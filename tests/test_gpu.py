@@ -6,9 +6,12 @@ The CUDA copies themselves are checked by tests/test_gpu_cuda.py and tools/gpu_c
 from __future__ import annotations
 
 import dataclasses
+import json
 import struct
+from importlib import resources
 from pathlib import Path
 
+import jsonschema
 import pytest
 import torch
 
@@ -98,6 +101,8 @@ def test_exporter_death_falls_back_to_the_host_copy_and_the_entry_survives(
                 "bytes": info.gpu.nbytes,
             }
             assert f"pid {pid}" in render(snap) and f"pid {pid} DEAD" not in render(snap)
+            schema = json.loads(resources.files("shmcache").joinpath("inspect_schema.json").read_text())
+            jsonschema.validate(json.loads(json.dumps(snap.to_json())), schema)
 
             kill(exporter)
             assert side.route(_slot_info(cache, "gpu-frame")) is Route.HOST_TO_DEVICE
