@@ -11,6 +11,7 @@ import functools
 import logging
 import sys
 import threading
+import time
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
 __all__ = ["DeviceSide"]
 
 log = logging.getLogger("shmcache")
+_CLOSE_WAIT_S = 2.0  # how long a closing exporter waits for readers of its device copies
 _COUNTER = {
     Route.ALIAS: "gpu_hits_alias",
     Route.PEER: "gpu_hits_peer",
@@ -149,6 +151,7 @@ class DeviceSide:
     def withdraw_all(self) -> None:
         """Before this process detaches: no reader may open our handles from now on."""
         for slot, gen in self.exports.exported():
+            self.exports.mark_withdrawn(slot, gen)  # freed by a sweep once nothing references it
             try:
                 self._node.withdraw_gpu(slot, gen)
             except Exception as exc:  # a destroyed namespace: nobody is left to read
@@ -170,9 +173,27 @@ class DeviceSide:
         event.record(torch.cuda.current_stream(ordinal))
         self._fences.append(event)
 
-    def close(self) -> None:
+    def close(self, wait_s: float = _CLOSE_WAIT_S) -> None:
+        """Withdraw our records, then wait at most `wait_s` for other processes to release the
+        entries whose device copies we exported: aliases of them die with this process."""
         self.settle()
         self.withdraw_all()
+        deadline = time.monotonic() + wait_s
+        while self.exports.exported():
+            try:
+                self.sweep()
+            except Exception as exc:  # a destroyed namespace: nobody is left to read
+                log.debug("shmcache: sweeping exports at close failed: %s", exc)
+                break
+            if not self.exports.exported() or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        if self.exports.exported():
+            log.warning(
+                "shmcache: closing while other processes still reference %d GPU entries exported "
+                "here; their zero-copy views become invalid when this process exits",
+                len(self.exports.exported()),
+            )
         if self._mappings is not None:
             self._mappings.close_all()
 

@@ -421,9 +421,10 @@ class Exports:
             return chosen
 
     def mark_withdrawn(self, slot: int, gen: int) -> None:
+        """Its record was withdrawn (a pending export has none yet: it is left as is)."""
         with self._lock:
             export = self._exports.get((slot, gen))
-            if export is not None:
+            if export is not None and not export.pending:
                 export.withdrawn = True
 
     def exported(self) -> list[tuple[int, int]]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import struct
+import time
 from importlib import resources
 from pathlib import Path
 
@@ -256,3 +257,37 @@ def test_each_handle_is_opened_once_and_closed_only_without_views() -> None:
     mappings.release(alive, b"h1", base)
     mappings.close_all()
     assert driver.closed == [other, base] and len(mappings) == 0
+
+
+def _export_stand_in(cache: EmbeddingCache) -> None:
+    """Make `cache` export like a GPU producer, with a host tensor for the device buffer."""
+    side, identity = cache._device, cache._node.identity
+
+    def export(encoded: values.EncodedValue, slot: int, gen: int) -> GpuRecord:
+        side.exports.add(slot, gen, torch.empty(encoded.total_len, dtype=torch.uint8))
+        return GpuRecord(gen, identity, 0, 0, encoded.total_len, FAKE_GPU_UUID, FAKE_IPC_HANDLE)
+
+    side.export = export  # type: ignore[method-assign]
+
+
+def test_a_closing_exporter_withdraws_and_waits_for_its_readers(
+    config: CacheConfig, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    exporter = EmbeddingCache(config)
+    _export_stand_in(exporter)
+    exporter.put(key_of("held"), expected_value("held"))
+    exporter.put(key_of("free"), expected_value("free"))
+    ready = tmp_path / "ready"
+    reader = spawn(workers.hold_view_and_ref, config, "held", str(ready))
+    try:
+        wait_for(ready.exists, what="the reader's view")
+        started = time.monotonic()
+        exporter.close()  # "free" is released at once; "held" is waited for, then warned about
+        assert 1.5 < time.monotonic() - started < 10
+        assert "still reference 1 GPU entries" in caplog.text
+        with EmbeddingCache(config) as cache:
+            records = [_slot_info(cache, name).gpu for name in ("held", "free")]
+            assert all(record is not None and record.withdrawn for record in records)
+        assert len(exporter._device.exports.exported()) == 1
+    finally:
+        kill(reader)
