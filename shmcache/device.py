@@ -151,12 +151,12 @@ class DeviceSide:
     def withdraw_all(self) -> None:
         """Before this process detaches: no reader may open our handles from now on."""
         for slot, gen in self.exports.exported():
-            self.exports.mark_withdrawn(slot, gen)  # freed by a sweep once nothing references it
             try:
                 self._node.withdraw_gpu(slot, gen)
             except Exception as exc:  # a destroyed namespace: nobody is left to read
                 log.debug("shmcache: withdrawing GPU records failed: %s", exc)
                 return
+            self.exports.mark_withdrawn(slot, gen)  # freed by a sweep once nothing references it
 
     def settle(self) -> None:
         """Before released pins are dropped: wait for the kernels queued on released aliases, then
