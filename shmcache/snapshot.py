@@ -27,7 +27,7 @@ from shmcache.values import describe
 
 __all__ = ["ClientInfo", "EntryInfo", "NamespaceSnapshot", "ReservationInfo", "take_snapshot"]
 
-SNAPSHOT_SCHEMA_VERSION = 1
+SNAPSHOT_SCHEMA_VERSION = 2  # 2: entries carry `gpu`
 _KINDS = ("raw", "tensor", "token_prefix")
 
 
