@@ -34,6 +34,7 @@ from shmcache.errors import (
     ReservationLost,
     ViewMutated,
 )
+from shmcache.gpu import GpuRecord
 from shmcache.keys import EmbeddingCacheKey, HashAlgorithm, Modality
 from shmcache.layout import SlotState
 from shmcache.namespace import (
@@ -85,6 +86,7 @@ class _Mapping:
     holder: weakref.ref[np.ndarray]  # the entry's bytes; alive while any returned view is
     parsed: values.ParsedValue
     template: weakref.ref[Any] | None  # a value returned earlier, aliased by repeat hits
+    aliases: GpuRecord | None = None  # the template aliases this exporter's device memory
 
 
 class Reservation:
@@ -358,7 +360,7 @@ class EmbeddingCache:
             self.cleanup_request(request_id)
         if self._remote is not None:
             self._remote.close()  # waits for queued publishes, which hold pins
-        self._device.close()
+        self._close_device()
         with self._state_lock:
             self._closed = True
         self.flush_releases()
@@ -398,8 +400,14 @@ class EmbeddingCache:
         if not self._enabled or os.getpid() != self._pid or self._detached:
             return
         self._closed = True
-        self._device.close()
+        self._close_device()
         self._detach()
+
+    def _close_device(self) -> None:
+        try:
+            self._device.close()
+        except Exception as exc:  # a broken CUDA context must not keep this process attached
+            log.warning("shmcache: closing the GPU side failed: %s", str(exc))
 
     def destroy(self) -> None:
         """Remove the namespace now, whoever is attached (they get `CacheClosed` on their next call)."""
@@ -662,9 +670,16 @@ class EmbeddingCache:
             body = entry.verify(holder.data, key, info.gen)
             self._check_unmodified(key, holder, info.slot, info.gen)
             parsed = values.parse(body)
-            value = self._device.materialize(holder, info, parsed, copy=clone) if parsed.on_device else None
-            if value is None:
-                value = values.materialize(holder, parsed, copy=clone, base=entry.ENTRY_HEADER_SIZE)
+            on_device = (
+                self._device.materialize(holder, info, parsed, copy=clone) if parsed.on_device else None
+            )
+            if on_device is None:
+                value, aliased = (
+                    values.materialize(holder, parsed, copy=clone, base=entry.ENTRY_HEADER_SIZE),
+                    False,
+                )
+            else:
+                value, aliased = on_device
         except CorruptValue as exc:
             node.count("corrupt_records")
             log.warning("shmcache: dropping entry %r: %s", key, str(exc))
@@ -680,7 +695,12 @@ class EmbeddingCache:
             if not clone:
                 self._live_views += 1
                 self._local[needle_of(key)] = _Mapping(
-                    info.slot, info.gen, weakref.ref(holder), parsed, _weak(value)
+                    info.slot,
+                    info.gen,
+                    weakref.ref(holder),
+                    parsed,
+                    _weak(value),
+                    info.gpu if aliased else None,
                 )
         if not clone:
             weakref.finalize(holder, self._releases.put, (info.slot, info.gen))
@@ -712,8 +732,11 @@ class EmbeddingCache:
         if state != SlotState.SEALED or cur_gen != gen or node.expired(slot, now):
             return None
         template = found.template() if found.template is not None else None
-        if template is None and found.parsed.on_device:
-            return None  # a GPU entry's device arrays are made by a full delivery (its route)
+        if found.parsed.on_device and self._device.reader() is not None:
+            if template is None:
+                return None  # a GPU entry's device arrays are made by a full delivery (its route)
+            if found.aliases is not None and not self._device.still_aliasable(slot, found.aliases):
+                return None  # its exporter died or withdrew it: no new aliases of that memory
         self._check_unmodified(key, holder, slot, gen)
         if request_id is not None:
             if not node.add_ref(slot, gen):
@@ -747,6 +770,9 @@ class EmbeddingCache:
         pins = [item for item in batch if item is not None]
         try:
             self._device.settle()  # kernels still reading released GPU aliases finish first
+        except Exception as exc:  # a broken CUDA context: its kernels will not run any more
+            log.warning("shmcache: waiting for GPU work on released views failed: %s", str(exc))
+        try:
             self._node.unpin_many(pins)
             if pins:
                 self._device.sweep()  # released entries may have let exported device copies go

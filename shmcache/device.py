@@ -42,6 +42,7 @@ __all__ = ["DeviceSide"]
 
 log = logging.getLogger("shmcache")
 _CLOSE_WAIT_S = 2.0  # how long a closing exporter waits for readers of its device copies
+_KEPT_UNTIL_EXIT: list[Any] = []  # exported buffers other processes still used when their cache closed
 _COUNTER = {
     Route.ALIAS: "gpu_hits_alias",
     Route.PEER: "gpu_hits_peer",
@@ -87,6 +88,7 @@ class DeviceSide:
         self._mappings: DeviceMappings | None = None
         self._visible: dict[bytes, int] | None = None
         self._lock = threading.Lock()
+        self._settle_lock = threading.Lock()  # one settler at a time: pins wait for *every* fence
         self._fences: deque[Any] = deque()  # CUDA events after the last use of released aliases
         self._unmapped: deque[tuple[ExporterId, bytes, int]] = deque()  # released aliases' mappings
 
@@ -161,10 +163,19 @@ class DeviceSide:
     def settle(self) -> None:
         """Before released pins are dropped: wait for the kernels queued on released aliases, then
         give their mappings back. Runs in the release thread (and in `flush_releases`)."""
-        while self._fences:
-            self._fences.popleft().synchronize()
-        while self._unmapped and self._mappings is not None:
-            self._mappings.release(*self._unmapped.popleft())
+        with self._settle_lock:
+            while True:
+                try:
+                    event = self._fences.popleft()
+                except IndexError:
+                    break
+                event.synchronize()
+            while self._mappings is not None:
+                try:
+                    released = self._unmapped.popleft()
+                except IndexError:
+                    break
+                self._mappings.release(*released)
 
     def _fence(self, ordinal: int) -> None:
         import torch
@@ -175,24 +186,33 @@ class DeviceSide:
 
     def close(self, wait_s: float = _CLOSE_WAIT_S) -> None:
         """Withdraw our records, then wait at most `wait_s` for other processes to release the
-        entries whose device copies we exported: aliases of them die with this process."""
+        entries whose device copies we exported. Buffers still referenced then are kept until this
+        process exits: aliases of them become invalid only then."""
         self.settle()
         self.withdraw_all()
+        own = self._node.held_pins()
+
+        def others(slot: int, gen: int) -> tuple[bool, int]:
+            indexed, references = self._node.entry_state(slot, gen)
+            return indexed, references - own.get((slot, gen), 0)
+
         deadline = time.monotonic() + wait_s
         while self.exports.exported():
             try:
-                self.sweep()
+                self.exports.sweep(others)
             except Exception as exc:  # a destroyed namespace: nobody is left to read
                 log.debug("shmcache: sweeping exports at close failed: %s", exc)
                 break
             if not self.exports.exported() or time.monotonic() > deadline:
                 break
             time.sleep(0.01)
-        if self.exports.exported():
+        left = self.exports.drain()
+        if left:
+            _KEPT_UNTIL_EXIT.extend(left)
             log.warning(
                 "shmcache: closing while other processes still reference %d GPU entries exported "
                 "here; their zero-copy views become invalid when this process exits",
-                len(self.exports.exported()),
+                len(left),
             )
         if self._mappings is not None:
             self._mappings.close_all()
@@ -211,10 +231,11 @@ class DeviceSide:
 
     def route(self, info: SlotInfo) -> Route:
         """The route for reading sealed entry `info` here; a dead exporter's mappings are retired."""
+        reader = self.reader()
+        if reader is None:
+            return Route.HOST  # no liveness check and no CUDA for processes that read host copies
         record = info.gpu
-        alive = record is not None and (
-            record.exporter == self._me or self._node.client_alive(record.exporter)
-        )
+        alive = record is not None and self.exporter_alive(record)
         if record is not None and not alive:
             self._node.count("gpu_dead_exporter")
             if self._mappings is not None:
@@ -223,14 +244,23 @@ class DeviceSide:
         return choose_route(
             record,
             exporter_alive=alive,
-            reader=self.reader(),
+            reader=reader,
             can_access_peer=driver.can_access_peer if driver is not None else lambda a, b: False,
         )
 
+    def exporter_alive(self, record: GpuRecord) -> bool:
+        return record.exporter == self._me or self._node.client_alive(record.exporter)
+
+    def still_aliasable(self, slot: int, record: GpuRecord) -> bool:
+        """For a repeat hit on an alias of `record`: its exporter lives and has not withdrawn it."""
+        current = self._node.gpu_record(slot, record.gen)
+        return current is not None and not current.withdrawn and self.exporter_alive(current)
+
     def materialize(
         self, holder: np.ndarray[Any, Any], info: SlotInfo, parsed: values.ParsedValue, *, copy: bool
-    ) -> values.Value | None:
-        """The value of GPU entry `info` with CUDA arrays for this process, None for the host route.
+    ) -> tuple[values.Value, bool] | None:
+        """(value with CUDA arrays, whether it aliases another process's memory) for GPU entry
+        `info`; None for the host route.
 
         `holder` is the entry's host bytes; it carries the entry's view pin, and zero-copy aliases
         of another process's memory keep it alive (so the exporter keeps that memory)."""
@@ -241,12 +271,12 @@ class DeviceSide:
         assert reader is not None
         if route is not Route.HOST_TO_DEVICE and info.gpu is not None:
             try:
-                return self._from_mapping(holder, info.slot, info.gpu, parsed, reader, route, copy)
+                value = self._from_mapping(holder, info.slot, info.gpu, parsed, reader, route, copy)
+                return value, route is Route.ALIAS and not copy and info.gpu.exporter != self._me
             except RuntimeError as exc:  # CudaError, or the exporter died after the liveness check
                 log.info("shmcache: reading the host copy instead of a GPU mapping: %s", exc)
-        return self._build(
-            holder, parsed, reader, Route.HOST_TO_DEVICE, copy, self._host_to_device(holder, reader)
-        )
+        source = self._host_to_device(holder, reader)
+        return self._build(holder, parsed, reader, Route.HOST_TO_DEVICE, copy, source), False
 
     def _build(
         self,
@@ -304,8 +334,8 @@ class DeviceSide:
         device = torch.device("cuda", ordinal)
         base = mappings.acquire(record.exporter, record.handle, ordinal)
         start = base + record.offset
-        fence = functools.partial(self._fence, ordinal)
         keep = route is Route.ALIAS and not copy  # the returned tensors alias the mapping
+        fence = functools.partial(self._fence, ordinal) if keep else _no_fence  # copies are synced
         try:
             value = self._build(
                 holder,
@@ -343,6 +373,10 @@ class DeviceSide:
             return torch.from_numpy(holder[start : start + spec.nbytes]).to(target)
 
         return source
+
+
+def _no_fence() -> None:
+    """Aliases that only fed copies need no fence: the copies were waited for."""
 
 
 def _as_library(tensor: torch.Tensor, spec: values.ArraySpec) -> Any:

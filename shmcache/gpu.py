@@ -427,6 +427,13 @@ class Exports:
             if export is not None and not export.pending:
                 export.withdrawn = True
 
+    def drain(self) -> list[torch.Tensor]:
+        """Forget every export; returns their buffers."""
+        with self._lock:
+            buffers = [export.buffer for export in self._exports.values()]
+            self._exports.clear()
+            return buffers
+
     def exported(self) -> list[tuple[int, int]]:
         with self._lock:
             return list(self._exports)

@@ -52,7 +52,7 @@ _GAUGES = {
     "stale": "Expired entries still referenced",
     "references": "Pins and request references held",
     "clients": "Live attached processes",
-    "gpu_entries": "Sealed entries with a live device copy",
+    "gpu_entries": "Sealed entries with a device-copy record not withdrawn (exporter alive or not)",
 }
 
 

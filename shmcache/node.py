@@ -471,21 +471,29 @@ class NodeIndex:
                     return Claim("wait", slot, gen)
                 if not self._acquire_reservation(slot):
                     return Claim("wait", slot, gen)  # raced with a live owner's release: look again
-                self._write_slot(slot, RESERVED, self.client, gen + 1, 0, 0, 0.0, 0)
+                gen = self._next_gen(slot)
+                self._write_slot(slot, RESERVED, self.client, gen, 0, 0, 0.0, 0)
                 self.count("takeovers")
-                return Claim("owner", slot, gen + 1, takeover=True)
+                return Claim("owner", slot, gen, takeover=True)
             meta = _META.pack(MODALITIES.index(key.modality), _KINDS.index(key.kind))
             victim = self._victim_in(stripe, now)
             if victim is None or not self._acquire_reservation(victim):
                 return Claim("full")
             slot = victim
-            gen = self.slot_fields(slot)[2] + 1
+            gen = self._next_gen(slot)
             koff = self.layout.key_off(slot)
             self.idx[koff : koff + KEY_SIZE] = needle
             meta_off = self.layout.slot_off(slot) + _META_OFF
             self.idx[meta_off : meta_off + _META.size] = meta
             self._write_slot(slot, RESERVED, self.client, gen, 0, 0, 0.0, 0)
             return Claim("owner", slot, gen)
+
+    def _next_gen(self, slot: int) -> int:
+        """A generation the slot never had, nor its GPU record (a repaired record's generation may
+        have been torn, and must not meet an old GPU record again)."""
+        record_gen: int = _U64.unpack_from(self.idx, self.layout.gpu_record_off(slot))[0]
+        slot_gen: int = self.slot_fields(slot)[2]
+        return max(slot_gen, record_gen) + 1
 
     def _victim_in(self, stripe: int, now: float) -> int | None:
         """A slot of `stripe` to reuse: empty, else an unreferenced sealed one (expired first, then

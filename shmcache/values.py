@@ -153,7 +153,7 @@ def _is_tensor(value: Any) -> bool:
     return torch is not None and isinstance(value, torch.Tensor)
 
 
-def _array(value: Any, name: str = "") -> _Array:
+def _array(value: Any, name: str = "", *, as_torch: bool = False) -> _Array:
     if isinstance(value, np.ndarray):
         dtype, shape, data = tensor_bytes(value)
         return _Array(_LIB_NUMPY, dtype, shape, data, name)
@@ -165,7 +165,7 @@ def _array(value: Any, name: str = "") -> _Array:
         value = (
             torch.utils.dlpack.from_dlpack(value) if hasattr(value, "__dlpack__") else torch.as_tensor(value)
         )
-        lib = _LIB_CUDA_ARRAY
+        lib = _LIB_TORCH if as_torch else _LIB_CUDA_ARRAY
     device = None
     if _is_tensor(value) and value.device.type == "cuda":
         device = value.detach().resolve_conj().resolve_neg().contiguous()
@@ -180,7 +180,11 @@ def _classify(value: Value) -> tuple[int, list[_Array], bytes]:
         return KIND_NDARRAY, [_array(value)], b""
     if isinstance(value, HiddenStatePrefix):
         meta = _metadata_json(value.metadata)
-        return KIND_HIDDEN_STATE_PREFIX, [_token_array(value.token_ids), _array(value.hidden_states)], meta
+        return (
+            KIND_HIDDEN_STATE_PREFIX,
+            [_token_array(value.token_ids), _array(value.hidden_states, as_torch=True)],
+            meta,
+        )
     if isinstance(value, list):
         return KIND_TOKEN_IDS, [_token_array(value)], b""
     if _is_cuda_array(value):

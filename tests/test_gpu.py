@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from shmcache import CacheConfig, EmbeddingCache, InvalidConfig, values
+from shmcache import device as device_module
 from shmcache.gpu import DeviceMappings, ExporterId, Exports, GpuRecord, ReaderDevice, Route, choose_route
 from shmcache.inspect import render
 from shmcache.node import needle_of
@@ -281,6 +282,7 @@ def test_a_closing_exporter_withdraws_and_waits_for_its_readers(
     reader = spawn(workers.hold_view_and_ref, config, "held", str(ready))
     try:
         wait_for(ready.exists, what="the reader's view")
+        kept = len(device_module._KEPT_UNTIL_EXIT)
         started = time.monotonic()
         exporter.close()  # "free" is released at once; "held" is waited for, then warned about
         assert 1.5 < time.monotonic() - started < 10
@@ -288,6 +290,33 @@ def test_a_closing_exporter_withdraws_and_waits_for_its_readers(
         with EmbeddingCache(config) as cache:
             records = [_slot_info(cache, name).gpu for name in ("held", "free")]
             assert all(record is not None and record.withdrawn for record in records)
-        assert len(exporter._device.exports.exported()) == 1
+        assert exporter._device.exports.exported() == []
+        assert len(device_module._KEPT_UNTIL_EXIT) == kept + 1  # "held" lives until this process exits
     finally:
         kill(reader)
+
+
+def test_released_views_wait_for_gpu_work_before_their_pins_go(
+    config: CacheConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with EmbeddingCache(config) as cache:
+        cache.put(key_of("v"), expected_value("v"))
+        order: list[str] = []
+        settle, unpin = cache._device.settle, cache._node.unpin_many
+        monkeypatch.setattr(cache._device, "settle", lambda: (order.append("settle"), settle())[1])
+        monkeypatch.setattr(cache._node, "unpin_many", lambda pins: (order.append("unpin"), unpin(pins))[1])
+        view = cache.get(key_of("v"))
+        assert view is not None and cache.stats()["references"] == 1
+        del view
+        cache.flush_releases()
+        assert order[:2] == ["settle", "unpin"] and cache.stats()["references"] == 0
+
+
+def test_a_closing_process_does_not_wait_for_its_own_references(config: CacheConfig) -> None:
+    cache = EmbeddingCache(config)
+    _export_stand_in(cache)
+    cache.put(key_of("mine"), expected_value("mine"), request_id="r")  # our own request reference
+    started = time.monotonic()
+    cache._device.close()
+    assert time.monotonic() - started < 1.0 and cache._device.exports.exported() == []
+    cache.close()

@@ -4,15 +4,18 @@
 
 In real spawned processes sharing one namespace, it checks:
 
-1. zero copy: a reader on the exporter's GPU gets an alias (route `alias`), allocates no device
-   memory for it, and sees the exporter's in-place change of its copy: the same device memory;
+1. zero copy: a reader on the exporter's GPU gets an alias (route `alias`, its own counters),
+   allocates no device memory for it, and sees the exporter's in-place change of its copy;
 2. bf16 and fp16 values come back bit-identical through every route: alias, host copy in a
-   process without CUDA, and (3) host-to-device copy;
-3. after the exporter is SIGKILLed, a new reader gets the value from the host copy (route
-   `host_to_device`, the dead exporter counted), bit-identical, and the entry survives;
-4. latency: p50 of an 8 MiB GPU hit against one device-to-device copy and one host-to-device
+   process without CUDA, and host-to-device copy after the exporter is SIGKILLed (the dead
+   exporter counted, the entry alive); a repeat hit on an alias held across the kill takes the
+   host copy;
+3. 4 threads exporting 64 values at once under a small export limit (withdrawals and sweeps
+   racing the exports): every value bit-identical;
+4. fences: GPU work queued on a released alias finishes before the exporter may reuse the memory;
+5. latency: p50 of an 8 MiB GPU hit against one device-to-device copy and one host-to-device
    copy of 8 MiB (pageable and pinned);
-5. the peer route, where the machine has two GPUs with peer access (else reported as not run).
+6. the peer route, where the machine has two GPUs with peer access (else reported as not run).
 
 Exit status 0 when every check passed. On the lent device machine the image lacks posix_ipc and
 blake3: docs/gpu.md says how to carry their wheels.
@@ -21,6 +24,7 @@ blake3: docs/gpu.md says how to carry their wheels.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import multiprocessing as mp
 import os
@@ -103,6 +107,20 @@ def exporter(config: CacheConfig, commands: Any, replies: Any) -> None:
         replies.put(command)
 
 
+def fence_exporter(config: CacheConfig, commands: Any, replies: Any) -> None:
+    """Export "fence-a"; on command, put "fence-b", which withdraws "fence-a" (the export limit
+    holds one value) and, once unreferenced, frees it: its block is likely reused at once."""
+    cache = EmbeddingCache(config)
+    first = torch.ones(VALUE_BYTES // 2, dtype=torch.bfloat16, device="cuda")
+    cache.put(key_of("fence-a"), first)
+    replies.put(first.float().sum().item())
+    commands.get()
+    cache.put(key_of("fence-b"), torch.full_like(first, -3.0))
+    torch.cuda.synchronize()
+    replies.put(cache.stats()["gpu_export_skips"])
+    commands.get()
+
+
 def reader(config: CacheConfig, device: int | None, commands: Any, replies: Any) -> None:
     """Follow the parent's commands: get values, peek at held ones, time hits, report stats.
     With `device`, this process uses CUDA on that device; without, it never initialises CUDA."""
@@ -134,6 +152,17 @@ def reader(config: CacheConfig, device: int | None, commands: Any, replies: Any)
             replies.put("dropped")
         elif command == "bench":
             replies.put(_bench(cache, name))
+        elif command == "fence":  # queue ~1 s of GPU work on an alias, then release the alias
+            alias = cache.get(key_of(name))
+            assert alias is not None
+            torch.cuda._sleep(2_000_000_000)  # type: ignore[no-untyped-call]
+            held["sum"] = alias.float().sum()
+            del alias
+            started = time.monotonic()
+            cache.flush_releases()  # must wait for the queued sum before the pin goes
+            replies.put(time.monotonic() - started)
+        elif command == "sum":
+            replies.put(held.pop("sum").item())
         elif command == "stats":
             replies.put(cache.stats())
         elif command == "stop":
@@ -215,6 +244,14 @@ class _Process:
         self.proc.join(10)
 
 
+def _gpu_counts(worker: _Process) -> dict[str, int]:
+    return {k: v for k, v in worker.ask("stats").items() if k.startswith("gpu_")}
+
+
+def _delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
+    return {name: after[name] - before.get(name, 0) for name in after}
+
+
 def run_checks() -> dict[str, Any]:
     """Run every check; returns {"checks": {name: passed}, "figures": {...}, "notes": [...]}."""
     namespace = f"gpu-check-{os.getpid()}"
@@ -230,6 +267,7 @@ def run_checks() -> dict[str, Any]:
         gpu_reader = _Process(reader, config, 0)
         cpu_reader = _Process(reader, config, None)
         workers += [gpu_reader, cpu_reader]
+        counts = _gpu_counts(gpu_reader)
         for name in DTYPES:
             got = gpu_reader.ask("get", name)
             checks[f"alias {name} bit-identical"] = (
@@ -240,6 +278,10 @@ def run_checks() -> dict[str, Any]:
             checks[f"host copy {name} bit-identical on CPU"] = (
                 host["fingerprint"] == truth[name] and host["device"] == "cpu"
             )
+        delta = _delta(_gpu_counts(gpu_reader), counts)
+        checks["the GPU reader's two reads took the alias route, the CPU reader's none"] = (
+            delta["gpu_hits_alias"] == 2 and delta["gpu_hits_host_copy"] == 0
+        )
         before = gpu_reader.ask("peek", "bf16")
         export.ask("mutate", "bf16")
         during = gpu_reader.ask("peek", "bf16")
@@ -248,32 +290,36 @@ def run_checks() -> dict[str, Any]:
         checks["zero copy: the reader sees the exporter's in-place change"] = (
             during == [12345] * 16 and before == after != during
         )
-        stats = gpu_reader.ask("stats")
-        checks["reads took the alias route"] = stats["gpu_hits_alias"] >= 2 and stats["gpu_exports"] == 2
         gpu_reader.ask("drop")
         figures.update(gpu_reader.ask("bench", "bf16"))
-        figures["stats_before_kill"] = {k: v for k, v in stats.items() if k.startswith("gpu_")}
         checks.update(_peer(config, truth, notes))
         gpu_reader.ask("drop")
+        gpu_reader.ask("get", "bf16")  # an alias held (and its repeat-hit template) across the kill
         export.kill()
+        counts = _gpu_counts(gpu_reader)
+        repeat = gpu_reader.ask("get", "bf16")
+        delta = _delta(_gpu_counts(gpu_reader), counts)
+        checks["after the exporter's SIGKILL: a repeat hit takes the host copy, not a new alias"] = (
+            repeat["fingerprint"] == truth["bf16"] and delta["gpu_hits_host_copy"] == 1
+        )
         late = _Process(reader, config, 0)
         workers.append(late)
+        counts = _gpu_counts(late)
         for name in DTYPES:
             got = late.ask("get", name)
             checks[f"after the exporter's SIGKILL: {name} from the host copy, bit-identical"] = (
                 got["fingerprint"] == truth[name] and got["device"] == "cuda:0"
             )
-        stats = late.ask("stats")
+        delta = _delta(_gpu_counts(late), counts)
         checks["after the exporter's SIGKILL: host-to-device route, dead exporter counted"] = (
-            stats["gpu_hits_host_copy"] >= 2 and stats["gpu_dead_exporter"] >= 2 and stats["entries"] == 2
+            delta["gpu_hits_host_copy"] == 2 and delta["gpu_dead_exporter"] >= 2
         )
-        figures["stats_after_kill"] = {k: v for k, v in stats.items() if k.startswith("gpu_")}
-        racing = _Process(concurrent_exporter, config, 4, 16)
-        workers.append(racing)
-        expected = racing.reply()
-        got = {name: late.ask("get", name)["fingerprint"] for name in expected}
-        checks["4 threads exporting 64 values at once: every value bit-identical"] = got == expected
-        racing.commands.put(("stop", ""))
+        checks["4 threads exporting 64 values at once (withdrawing all along): bit-identical"] = _racing(
+            config, late, workers
+        )
+        checks["a released alias's queued kernel finishes before its memory is reused"] = _fence(
+            namespace, figures, workers
+        )
         for worker in (gpu_reader, cpu_reader, late):
             worker.ask("stop")
     finally:
@@ -281,6 +327,41 @@ def run_checks() -> dict[str, Any]:
             worker.kill()
         destroy_namespace(namespace)
     return {"checks": checks, "figures": figures, "notes": notes}
+
+
+def _racing(config: CacheConfig, reader_process: _Process, workers: list[_Process]) -> bool:
+    """Exports race sweeps and withdrawals (a 256 KiB export limit for 64 KiB values)."""
+    racing = _Process(concurrent_exporter, dataclasses.replace(config, gpu_export_bytes=256 << 10), 4, 16)
+    workers.append(racing)
+    expected = racing.reply()
+    got = {name: reader_process.ask("get", name)["fingerprint"] for name in expected}
+    racing.commands.put(("stop", ""))
+    return bool(got == expected)
+
+
+def _fence(namespace: str, figures: dict[str, Any], workers: list[_Process]) -> bool:
+    """A reader queues ~1 s of work on an alias and drops it; the exporter then withdraws and
+    frees that copy and writes another value, likely into the same block. The sum must be right."""
+    config = CacheConfig(
+        enable_embedding_cache=True,
+        namespace=namespace + "-fence",
+        capacity_bytes=64 << 20,
+        gpu_export_bytes=VALUE_BYTES + (1 << 20),
+    )
+    try:
+        export = _Process(fence_exporter, config)
+        fence_reader = _Process(reader, config, 0)
+        workers += [export, fence_reader]
+        expected = export.reply()
+        figures["fence_release_wait_s"] = round(fence_reader.ask("fence", "fence-a"), 3)
+        export.commands.put(("overwrite", ""))
+        export.reply()
+        total = fence_reader.ask("sum")
+        export.commands.put(("stop", ""))
+        fence_reader.ask("stop")
+        return bool(total == expected)
+    finally:
+        destroy_namespace(config.namespace)
 
 
 def _peer(config: CacheConfig, truth: dict[str, str], notes: list[str]) -> dict[str, bool]:
