@@ -12,7 +12,6 @@ import logging
 import sys
 import threading
 import time
-import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -54,10 +53,11 @@ class _DeviceBytes:
     """A CUDA array interface over `nbytes` device bytes at `pointer`; keeps `owner` alive for as
     long as any tensor made from it (torch holds the interface object until its storage dies).
 
-    When the last tensor goes, `fence()` runs before `owner` is released: it records an event
-    after the kernels already queued on the memory, which the release path waits for."""
+    When the last tensor goes, `released()` runs before `owner` can go: for an alias it records
+    an event after the kernels already queued on the memory and hands its mapping view back,
+    both of which the release path settles before it drops the entry's pin."""
 
-    def __init__(self, pointer: int, nbytes: int, owner: object, fence: Callable[[], None]) -> None:
+    def __init__(self, pointer: int, nbytes: int, owner: object, released: Callable[[], None]) -> None:
         self.__cuda_array_interface__ = {
             "shape": (nbytes,),
             "typestr": "|u1",
@@ -66,13 +66,13 @@ class _DeviceBytes:
             "strides": None,
         }
         self.owner = owner
-        self._fence = fence
+        self._released = released
 
     def __del__(self) -> None:
         try:
-            self._fence()
-        except Exception as exc:  # interpreter shutdown, a lost context: nothing left to wait for
-            log.debug("shmcache: recording a release fence failed: %s", exc)
+            self._released()
+        except Exception as exc:  # interpreter shutdown: nothing is left to wait for
+            log.debug("shmcache: releasing a GPU alias failed: %s", exc)
 
 
 class DeviceSide:
@@ -89,8 +89,9 @@ class DeviceSide:
         self._visible: dict[bytes, int] | None = None
         self._lock = threading.Lock()
         self._settle_lock = threading.Lock()  # one settler at a time: pins wait for *every* fence
-        self._fences: deque[Any] = deque()  # CUDA events after the last use of released aliases
-        self._unmapped: deque[tuple[ExporterId, bytes, int]] = deque()  # released aliases' mappings
+        # (device, CUDA event after the last use of a released alias, or None: wait for the device)
+        self._fences: deque[tuple[int, Any]] = deque()
+        self._unmapped: deque[tuple[ExporterId, bytes]] = deque()  # released aliases' mappings
 
     # ----------------------------------------------------------------- driver
     def _cuda(self) -> CudaDriver | None:
@@ -118,7 +119,7 @@ class DeviceSide:
         node, exports = self._node, self.exports
         need = encoded.total_len
         self.sweep()
-        for old_slot, old_gen in exports.to_withdraw(need):
+        for old_slot, old_gen in exports.to_withdraw(need, node.entry_state):
             if node.withdraw_gpu(old_slot, old_gen):  # else its entry is gone: the sweep frees it
                 exports.mark_withdrawn(old_slot, old_gen)
         self.sweep()
@@ -166,10 +167,10 @@ class DeviceSide:
         with self._settle_lock:
             while True:
                 try:
-                    event = self._fences.popleft()
+                    ordinal, event = self._fences.popleft()
                 except IndexError:
                     break
-                event.synchronize()
+                _wait(ordinal, event)
             while self._mappings is not None:
                 try:
                     released = self._unmapped.popleft()
@@ -178,11 +179,17 @@ class DeviceSide:
                 self._mappings.release(*released)
 
     def _fence(self, ordinal: int) -> None:
+        """Record an event after the work queued so far on device `ordinal`'s current stream;
+        if that fails, the settler waits for the whole device instead."""
         import torch
 
-        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        event.record(torch.cuda.current_stream(ordinal))
-        self._fences.append(event)
+        try:
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(torch.cuda.current_stream(ordinal))
+        except Exception as exc:  # e.g. during stream capture: fall back to the device
+            log.debug("shmcache: recording a release fence failed (%s): waiting for the device", exc)
+            event = None
+        self._fences.append((ordinal, event))
 
     def close(self, wait_s: float = _CLOSE_WAIT_S) -> None:
         """Withdraw our records, then wait at most `wait_s` for other processes to release the
@@ -190,11 +197,12 @@ class DeviceSide:
         process exits: aliases of them become invalid only then."""
         self.settle()
         self.withdraw_all()
-        own = self._node.held_pins()
 
         def others(slot: int, gen: int) -> tuple[bool, int]:
+            """References of other processes. Ours are read after the total: our release thread
+            may drop some in between, which can only overstate the others' share."""
             indexed, references = self._node.entry_state(slot, gen)
-            return indexed, references - own.get((slot, gen), 0)
+            return indexed, references - self._node.held_pins().get((slot, gen), 0)
 
         deadline = time.monotonic() + wait_s
         while self.exports.exported():
@@ -214,8 +222,6 @@ class DeviceSide:
                 "here; their zero-copy views become invalid when this process exits",
                 len(left),
             )
-        if self._mappings is not None:
-            self._mappings.close_all()
 
     # ----------------------------------------------------------------- read
     def reader(self) -> ReaderDevice | None:
@@ -230,7 +236,7 @@ class DeviceSide:
         return ReaderDevice(ordinal, uuid, visible)
 
     def route(self, info: SlotInfo) -> Route:
-        """The route for reading sealed entry `info` here; a dead exporter's mappings are retired."""
+        """The route for reading sealed entry `info` here (a dead exporter is counted)."""
         reader = self.reader()
         if reader is None:
             return Route.HOST  # no liveness check and no CUDA for processes that read host copies
@@ -238,8 +244,6 @@ class DeviceSide:
         alive = record is not None and self.exporter_alive(record)
         if record is not None and not alive:
             self._node.count("gpu_dead_exporter")
-            if self._mappings is not None:
-                self._mappings.retire(record.exporter)
         driver = self._driver
         return choose_route(
             record,
@@ -332,32 +336,36 @@ class DeviceSide:
             raise CudaError("CUDA IPC is unavailable in this process")
         ordinal = reader.visible[record.device_uuid]
         device = torch.device("cuda", ordinal)
-        base = mappings.acquire(record.exporter, record.handle, ordinal)
-        start = base + record.offset
+        exporter, handle = record.exporter, record.handle
         keep = route is Route.ALIAS and not copy  # the returned tensors alias the mapping
-        fence = functools.partial(self._fence, ordinal) if keep else _no_fence  # copies are synced
+        # a view of the mapping for the build; each alias kept takes one more, given back by its
+        # interface object when the alias dies, before the holder (and with it the pin) can go
+        start = mappings.acquire(exporter, handle, ordinal) + record.offset
         try:
-            value = self._build(
-                holder,
-                parsed,
-                reader,
-                route,
-                copy,
-                lambda spec: torch.as_tensor(
-                    _DeviceBytes(start + spec.offset, spec.nbytes, holder, fence), device=device
-                ),
-            )
-            if not keep:  # copies out of the mapping end before its pin and mapping are released
+            if not self.exporter_alive(record):  # died since the route was chosen
+                raise CudaError("the exporter died while its handle was being opened")
+
+            def source(spec: values.ArraySpec) -> torch.Tensor:
+                released: Callable[[], None] = _nothing  # copies are waited for below
+                if keep:
+                    mappings.acquire(exporter, handle, ordinal)
+                    released = functools.partial(self._released_alias, ordinal, exporter, handle)
+                interface = _DeviceBytes(start + spec.offset, spec.nbytes, holder, released)
+                return torch.as_tensor(interface, device=device)
+
+            value = self._build(holder, parsed, reader, route, copy, source)
+            if not keep:  # copies out of the mapping end before it and the pin are released
                 for used in {reader.ordinal, ordinal}:
                     torch.cuda.current_stream(used).synchronize()
-        except BaseException:
-            mappings.release(record.exporter, record.handle, base)
-            raise
-        if keep:
-            weakref.finalize(holder, self._unmapped.append, (record.exporter, record.handle, base))
-        else:
-            mappings.release(record.exporter, record.handle, base)
+        finally:
+            mappings.release(exporter, handle)
         return value
+
+    def _released_alias(self, ordinal: int, exporter: ExporterId, handle: bytes) -> None:
+        """An alias died: fence the work queued on it, then let its mapping view go (both settled
+        by the release path before the entry's pin is dropped)."""
+        self._fence(ordinal)
+        self._unmapped.append((exporter, handle))
 
     @staticmethod
     def _host_to_device(
@@ -375,8 +383,22 @@ class DeviceSide:
         return source
 
 
-def _no_fence() -> None:
-    """Aliases that only fed copies need no fence: the copies were waited for."""
+def _wait(ordinal: int, event: Any) -> None:
+    """Wait for `event`, or for all of device `ordinal`'s work where there is no event or the
+    wait on it fails."""
+    import torch
+
+    if event is not None:
+        try:
+            event.synchronize()
+            return
+        except Exception as exc:  # a broken event: the device wait below covers its work too
+            log.debug("shmcache: waiting for a release fence failed (%s): waiting for the device", exc)
+    torch.cuda.synchronize(ordinal)
+
+
+def _nothing() -> None:
+    """Released interface objects that only fed copies: the copies were waited for."""
 
 
 def _as_library(tensor: torch.Tensor, spec: values.ArraySpec) -> Any:

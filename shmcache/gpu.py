@@ -55,7 +55,6 @@ GPU_RECORD_SIZE: Final = _RECORD.size + _CRC.size
 GPU_HEAD_DTYPE: Final = np.dtype({"names": ["gen", "flags"], "formats": ["<u8", "<u4"], "offsets": [0, 28]})
 _WITHDRAWN: Final = 1
 _IPC_LAZY_ENABLE_PEER_ACCESS: Final = 1
-_MAX_IDLE_MAPPINGS: Final = 64
 
 
 @dataclass(frozen=True)
@@ -281,63 +280,38 @@ class _Opened:
 
 
 class DeviceMappings:
-    """The IPC handles this process opened, each (exporter, handle) once, reused by every entry in
-    that allocation. A mapping is closed when its exporter is found dead, when more than a few are
-    idle, or at close; never while a view made from it is alive."""
+    """The IPC handles this process has open, each (exporter, handle) once, shared by every live
+    view into that allocation. A mapping is closed at the end of its last view, as torch does:
+    CUDA leaves it undefined what an open mapping does once its exporter frees the memory (a
+    caching allocator's `empty_cache`, say), so none is kept open idle."""
 
     def __init__(self, driver: CudaDriver) -> None:
         self._driver = driver
-        self._opened: OrderedDict[tuple[ExporterId, bytes], _Opened] = OrderedDict()
-        self._retired: dict[int, _Opened] = {}  # by base: dead exporters' mappings with live views
-        self._lock = threading.RLock()
+        self._opened: dict[tuple[ExporterId, bytes], _Opened] = {}
+        self._lock = threading.Lock()
 
     def acquire(self, exporter: ExporterId, handle: bytes, ordinal: int) -> int:
-        """The base address of `handle` (opened now if needed), counted as one more live view."""
+        """The base address of `handle` (opened now if no view holds it), counted as one more view."""
         with self._lock:
             opened = self._opened.get((exporter, handle))
             if opened is None:
                 opened = _Opened(self._driver.open(handle, ordinal), ordinal)
                 self._opened[(exporter, handle)] = opened
-            self._opened.move_to_end((exporter, handle))
             opened.views += 1
-            self._close_idle(keep=_MAX_IDLE_MAPPINGS)
             return opened.base
 
-    def release(self, exporter: ExporterId, handle: bytes, base: int) -> None:
-        """One view of the mapping at `base` is gone."""
+    def release(self, exporter: ExporterId, handle: bytes) -> None:
+        """One view of the mapping is gone; the last one closes it."""
         with self._lock:
-            opened = self._opened.get((exporter, handle))
-            if opened is not None and opened.base == base:
-                opened.views -= 1
-                return
-            retired = self._retired.get(base)
-            if retired is not None:
-                retired.views -= 1
-                if retired.views == 0:
-                    self._close(self._retired.pop(base))
-
-    def retire(self, exporter: ExporterId) -> None:
-        """`exporter` is gone: close its idle mappings now, the others at their last view."""
-        with self._lock:
-            for found, opened in list(self._opened.items()):
-                if found[0] == exporter:
-                    del self._opened[found]
-                    if opened.views == 0:
-                        self._close(opened)
-                    else:
-                        self._retired[opened.base] = opened
-
-    def close_all(self) -> None:
-        with self._lock:
-            self._close_idle(keep=0)
+            opened = self._opened[(exporter, handle)]
+            opened.views -= 1
+            if opened.views == 0:
+                del self._opened[(exporter, handle)]
+                self._close(opened)
 
     def __len__(self) -> int:
-        return len(self._opened) + len(self._retired)
-
-    def _close_idle(self, keep: int) -> None:
-        idle = [found for found, opened in self._opened.items() if opened.views == 0]
-        for found in idle[: max(0, len(idle) - keep)]:
-            self._close(self._opened.pop(found))
+        with self._lock:
+            return len(self._opened)
 
     def _close(self, opened: _Opened) -> None:
         try:
@@ -407,18 +381,24 @@ class Exports:
                 freed += 1
         return freed
 
-    def to_withdraw(self, need: int) -> list[tuple[int, int]]:
-        """Least recently used published exports to withdraw so that `need` more bytes fit the limit."""
+    def to_withdraw(self, need: int, state: Callable[[int, int], tuple[bool, int]]) -> list[tuple[int, int]]:
+        """Least recently used published exports to withdraw so that `need` more bytes fit the
+        limit; `state` as for `sweep`. Only unreferenced exports are chosen (withdrawing one a
+        reader holds frees nothing now), and none at all if that cannot make room."""
+        if need > self.limit_bytes:
+            return []
         with self._lock:
-            total = sum(export.buffer.nbytes for export in self._exports.values())
-            chosen = []
-            for found, export in self._exports.items():
-                if total + need <= self.limit_bytes:
-                    break
-                if not export.withdrawn and not export.pending:
-                    chosen.append(found)
-                    total -= export.buffer.nbytes
-            return chosen
+            items = list(self._exports.items())
+        excess = sum(export.buffer.nbytes for _found, export in items) + need - self.limit_bytes
+        chosen: list[tuple[int, int]] = []
+        for found, export in items:
+            if excess <= 0:
+                break
+            if export.withdrawn or export.pending or state(*found)[1] > 0:
+                continue
+            chosen.append(found)
+            excess -= export.buffer.nbytes
+        return chosen if excess <= 0 else []
 
     def mark_withdrawn(self, slot: int, gen: int) -> None:
         """Its record was withdrawn (a pending export has none yet: it is left as is)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import struct
+import threading
 import time
 from importlib import resources
 from pathlib import Path
@@ -110,9 +111,18 @@ def test_exporter_death_falls_back_to_the_host_copy_and_the_entry_survives(
             assert side.route(_slot_info(cache, "gpu-frame")) is Route.HOST_TO_DEVICE
             assert cache.stats()["gpu_dead_exporter"] == 1
             assert f"pid {pid} DEAD" in render(take_snapshot(config.namespace))
+            monkeypatch.undo()  # this process again: no CUDA, so the host copy, zero-copy
             value = cache.get(key_of("gpu-frame"))  # the entry survives its exporter
-            assert value is not None and fingerprint(value) == fingerprint(expected_value("gpu-frame"))
-            del value
+            assert isinstance(value, torch.Tensor) and value.device.type == "cpu"
+            assert fingerprint(value) == fingerprint(expected_value("gpu-frame"))
+            assert cache._local[needle_of(key_of("gpu-frame"))].parsed.on_device  # through DeviceSide
+            again = cache.get(key_of("gpu-frame"))  # a repeat hit on the held view
+            assert again is not None and again.data_ptr() == value.data_ptr()
+            stats = cache.stats()
+            assert stats["hits_node"] == stats["hits_process"] == 1
+            assert stats["gpu_dead_exporter"] == 1  # host-copy readers never check the exporter
+            assert stats["gpu_hits_alias"] == stats["gpu_hits_host_copy"] == 0
+            del value, again
             cache.gc()  # reap the dead exporter; its client row is free for the next process
     finally:
         kill(exporter)
@@ -173,9 +183,16 @@ def test_exports_are_freed_when_their_entry_leaves_and_withdrawn_lru_first(confi
         pending = (slots["pending"].slot, slots["pending"].gen)
         node.drop(*pending)  # whatever the index says about a pending export ...
         assert exports.nbytes == 4000
-        assert exports.to_withdraw(0) == [(slots["a"].slot, slots["a"].gen)]  # least recently used
-        exports.buffer(slots["a"].slot, slots["a"].gen)  # a used again: b is now the oldest
-        assert exports.to_withdraw(500) == [(s.slot, s.gen) for s in (slots["b"], slots["c"])]
+        state = node.entry_state
+        found = {name: (info.slot, info.gen) for name, info in slots.items()}
+        assert exports.to_withdraw(0, state) == [found["a"]]  # least recently used
+        exports.buffer(*found["a"])  # a used again: b is now the oldest
+        assert exports.to_withdraw(500, state) == [found["b"], found["c"]]
+        assert node.add_ref(*found["b"])  # a reader holds b: withdrawing it would free nothing now
+        assert exports.to_withdraw(500, state) == [found["c"], found["a"]]
+        assert exports.to_withdraw(2500, state) == []  # no room even without c and a: keep them all
+        assert exports.to_withdraw(3001, state) == []  # over the limit on its own: never exported
+        node.unpin(*found["b"], 1)
         assert exports.sweep(node.entry_state) == 0  # ... it is neither withdrawn nor freed
         exports.mark_withdrawn(slots["b"].slot, slots["b"].gen)
         assert node.add_ref(slots["b"].slot, slots["b"].gen)  # a reader still holds b
@@ -239,43 +256,29 @@ class _RecordingDriver:
         self.closed.append(base)
 
 
-def test_each_handle_is_opened_once_and_closed_only_without_views() -> None:
+def test_each_handle_is_opened_once_while_views_live_and_closed_at_the_last() -> None:
     driver = _RecordingDriver()
     mappings = DeviceMappings(driver)  # type: ignore[arg-type]
-    alive, dead = ExporterId(1, 100, 1), ExporterId(2, 200, 2)
-    base = mappings.acquire(alive, b"h1", 0)
-    assert mappings.acquire(alive, b"h1", 0) == base  # a second entry in the same allocation
-    other = mappings.acquire(dead, b"h2", 0)
-    assert driver.opened == [b"h1", b"h2"]
-    mappings.release(alive, b"h1", base)
-    mappings.release(alive, b"h1", base)
-    assert driver.closed == [] and len(mappings) == 2  # idle mappings stay open for the next hit
-    mappings.retire(dead)  # its exporter died while a view is alive: closed at that view's end
-    assert driver.closed == []
-    mappings.release(dead, b"h2", other)
-    assert driver.closed == [other]
-    assert mappings.acquire(alive, b"h1", 0) == base and len(driver.opened) == 2
-    mappings.release(alive, b"h1", base)
-    mappings.close_all()
-    assert driver.closed == [other, base] and len(mappings) == 0
-
-
-def _export_stand_in(cache: EmbeddingCache) -> None:
-    """Make `cache` export like a GPU producer, with a host tensor for the device buffer."""
-    side, identity = cache._device, cache._node.identity
-
-    def export(encoded: values.EncodedValue, slot: int, gen: int) -> GpuRecord:
-        side.exports.add(slot, gen, torch.empty(encoded.total_len, dtype=torch.uint8))
-        return GpuRecord(gen, identity, 0, 0, encoded.total_len, FAKE_GPU_UUID, FAKE_IPC_HANDLE)
-
-    side.export = export  # type: ignore[method-assign]
+    one, two = ExporterId(1, 100, 1), ExporterId(2, 200, 2)
+    base = mappings.acquire(one, b"h1", 0)
+    assert mappings.acquire(one, b"h1", 0) == base  # a second entry in the same allocation
+    other = mappings.acquire(two, b"h1", 0)  # same handle bytes, another exporter: its own mapping
+    assert driver.opened == [b"h1", b"h1"] and other != base
+    mappings.release(one, b"h1")
+    assert driver.closed == [] and len(mappings) == 2  # one view of `base` is still alive
+    mappings.release(one, b"h1")
+    assert driver.closed == [base] and len(mappings) == 1  # never left open idle
+    assert mappings.acquire(one, b"h1", 0) != base and len(driver.opened) == 3  # opened anew
+    mappings.release(one, b"h1")
+    mappings.release(two, b"h1")
+    assert len(driver.closed) == 3 and len(mappings) == 0
 
 
 def test_a_closing_exporter_withdraws_and_waits_for_its_readers(
     config: CacheConfig, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     exporter = EmbeddingCache(config)
-    _export_stand_in(exporter)
+    workers.stand_in_gpu_export(exporter)
     exporter.put(key_of("held"), expected_value("held"))
     exporter.put(key_of("free"), expected_value("free"))
     ready = tmp_path / "ready"
@@ -296,25 +299,75 @@ def test_a_closing_exporter_withdraws_and_waits_for_its_readers(
         kill(reader)
 
 
-def test_released_views_wait_for_gpu_work_before_their_pins_go(
+def test_a_closing_exporter_counts_its_own_references_as_they_are_now(
+    config: CacheConfig, tmp_path: Path
+) -> None:
+    """Its release thread may drop its own last view while it waits: that must not make another
+    process's reference look like its own (the buffer would be freed under that reader)."""
+    exporter = EmbeddingCache(config)
+    workers.stand_in_gpu_export(exporter)
+    exporter.put(key_of("held"), expected_value("held"))
+    ready = tmp_path / "ready"
+    reader = spawn(workers.hold_view_and_ref, config, "held", str(ready), None)  # one view, no ref
+    try:
+        wait_for(ready.exists, what="the reader's view")
+        info = _slot_info(exporter, "held")
+        assert exporter._node.add_ref(info.slot, info.gen)  # our own view, still alive at close
+        kept = len(device_module._KEPT_UNTIL_EXIT)
+        closing = threading.Thread(target=exporter._device.close, kwargs={"wait_s": 1.0})
+        closing.start()
+        time.sleep(0.3)
+        exporter._node.unpin(info.slot, info.gen, 1)  # our view goes while close waits
+        closing.join()
+        assert exporter._node.entry_state(info.slot, info.gen) == (True, 1)  # the reader's view
+        assert len(device_module._KEPT_UNTIL_EXIT) == kept + 1  # so its device copy was not freed
+        exporter.close()
+    finally:
+        kill(reader)
+
+
+class _Event:
+    """Stands in for a CUDA event recorded after an alias's last use."""
+
+    def __init__(self, order: list[str], name: str, broken: bool = False) -> None:
+        self.order, self.name, self.broken = order, name, broken
+
+    def synchronize(self) -> None:
+        if self.broken:
+            raise RuntimeError("lost event")
+        self.order.append(self.name)
+
+
+def test_released_aliases_are_settled_before_their_pins_go(
     config: CacheConfig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Every fence is waited for (the whole device where an event is missing or broken) and every
+    mapping view given back before the view pins of the batch are dropped."""
     with EmbeddingCache(config) as cache:
         cache.put(key_of("v"), expected_value("v"))
         order: list[str] = []
-        settle, unpin = cache._device.settle, cache._node.unpin_many
-        monkeypatch.setattr(cache._device, "settle", lambda: (order.append("settle"), settle())[1])
+        side, unpin = cache._device, cache._node.unpin_many
+        driver = _RecordingDriver()
+        side._mappings = DeviceMappings(driver)  # type: ignore[arg-type]
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda device: order.append(f"device {device}"))
+        monkeypatch.setattr(driver, "close", lambda base, ordinal: order.append("unmap"))
         monkeypatch.setattr(cache._node, "unpin_many", lambda pins: (order.append("unpin"), unpin(pins))[1])
         view = cache.get(key_of("v"))
         assert view is not None and cache.stats()["references"] == 1
+        exporter = ExporterId(9, 99, 9)
+        side._mappings.acquire(exporter, FAKE_IPC_HANDLE, 0)
+        side._fences.append((0, _Event(order, "event")))
+        side._fences.append((1, _Event(order, "broken", broken=True)))
+        side._released_alias(2, exporter, FAKE_IPC_HANDLE)  # no CUDA here: its event cannot be made
         del view
         cache.flush_releases()
-        assert order[:2] == ["settle", "unpin"] and cache.stats()["references"] == 0
+        assert order == ["event", "device 1", "device 2", "unmap", "unpin"]
+        assert cache.stats()["references"] == 0 and len(side._mappings) == 0
 
 
 def test_a_closing_process_does_not_wait_for_its_own_references(config: CacheConfig) -> None:
     cache = EmbeddingCache(config)
-    _export_stand_in(cache)
+    workers.stand_in_gpu_export(cache)
     cache.put(key_of("mine"), expected_value("mine"), request_id="r")  # our own request reference
     started = time.monotonic()
     cache._device.close()

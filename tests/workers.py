@@ -105,10 +105,10 @@ def put_value(config: CacheConfig, name: str, numel: int, done: str) -> None:
     cache.close()
 
 
-def hold_view_and_ref(config: CacheConfig, name: str, ready: str) -> None:
-    """Take a view and a request reference, then wait to be SIGKILLed."""
+def hold_view_and_ref(config: CacheConfig, name: str, ready: str, request_id: str | None = "held") -> None:
+    """Take a view and a request reference (none if `request_id` is None), then wait to be SIGKILLed."""
     cache = EmbeddingCache(config)
-    view = cache.get(key_of(name), request_id="held")
+    view = cache.get(key_of(name), request_id=request_id)
     assert view is not None
     Path(ready).touch()
     time.sleep(3600)
@@ -166,18 +166,31 @@ FAKE_GPU_UUID = bytes(range(16))
 FAKE_IPC_HANDLE = b"\xab" * 64
 
 
-def fake_gpu_exporter(config: CacheConfig, name: str, ready: str) -> None:
-    """Seal `name` as a GPU entry would be sealed, with a record whose IPC handle is made up (this
-    machine has no GPU: only the CUDA copy is stood in for), then wait to be SIGKILLed."""
+def stand_in_gpu_export(cache: EmbeddingCache) -> None:
+    """Make `cache` export like a GPU producer on this GPU-less machine: its entries are stored as
+    device-born values (what a CUDA put writes) and sealed with a record whose IPC handle is made
+    up; a host tensor stands in for the exported device buffer."""
+    from shmcache.entry import ENTRY_HEADER_SIZE
     from shmcache.gpu import GpuRecord
 
-    cache = EmbeddingCache(config)
-    identity = cache._node.identity
+    side, identity = cache._device, cache._node.identity
+    arena = memoryview(cache._segments.arena)
 
     def export(encoded: Any, slot: int, gen: int) -> GpuRecord:
+        first_lib = cache._node.slot_fields(slot)[3] + ENTRY_HEADER_SIZE + 32  # first array's descriptor
+        assert arena[first_lib] == 1  # a CPU torch tensor ...
+        arena[first_lib] = 3  # ... stored as the CUDA tensor it stands for
+        side.exports.add(slot, gen, torch.empty(encoded.total_len, dtype=torch.uint8))
         return GpuRecord(gen, identity, 0, 4096, encoded.total_len, FAKE_GPU_UUID, FAKE_IPC_HANDLE)
 
-    cache._device.export = export  # type: ignore[method-assign]
+    side.export = export  # type: ignore[method-assign]
+
+
+def fake_gpu_exporter(config: CacheConfig, name: str, ready: str) -> None:
+    """Seal `name` as a GPU entry (see `stand_in_gpu_export`), then wait to be SIGKILLed."""
+    cache = EmbeddingCache(config)
+    stand_in_gpu_export(cache)
     cache.put(key_of(name), expected_value(name))
+    identity = cache._node.identity
     Path(ready).write_text(f"{identity.row} {identity.pid} {identity.start_ticks}")
     time.sleep(3600)
