@@ -1,30 +1,37 @@
-"""Device check of GPU entries, for a machine with a CUDA GPU (a few minutes at most).
+"""Device check of GPU entries, for a machine with a CUDA GPU (about two minutes).
 
     python3 tools/gpu_check.py [--json FILE]
 
 In real spawned processes sharing one namespace, it checks:
 
-1. zero copy: a reader on the exporter's GPU gets an alias (route `alias`, its own counters),
+1. zero copy: a reader on the exporter's GPU gets an alias (route `alias`, by its own counters),
    allocates no device memory for it, and sees the exporter's in-place change of its copy;
 2. bf16 and fp16 values come back bit-identical through every route: alias, host copy in a
    process without CUDA, and host-to-device copy after the exporter is SIGKILLed (the dead
    exporter counted, the entry alive); a repeat hit on an alias held across the kill takes the
    host copy;
-3. 4 threads exporting 64 values at once under a small export limit (withdrawals and sweeps
-   racing the exports): every value bit-identical;
-4. fences: GPU work queued on a released alias finishes before the exporter may reuse the memory;
-5. latency: p50 of an 8 MiB GPU hit against one device-to-device copy and one host-to-device
+3. the other inputs: a cupy array (read back as cupy on a GPU, numpy on a CPU reader), a value
+   from `get_or_compute` whose compute returns a CUDA tensor, and keys of CUDA tensors (equal to
+   the keys of their CPU copies);
+4. 4 threads exporting 64 values at once under a small export limit (withdrawals and sweeps
+   racing the exports): every value bit-identical, some read through aliases;
+5. fences: a reader queues ~1 s of GPU work on an alias and drops it; its pin must outlast that
+   work, and the exporter then frees and reuses the memory; the reader's result must be right;
+6. latency: p50 of an 8 MiB GPU hit against one device-to-device copy and one host-to-device
    copy of 8 MiB (pageable and pinned);
-6. the peer route, where the machine has two GPUs with peer access (else reported as not run).
+7. the peer route, where the machine has two GPUs with peer access (else reported as not run).
 
-Exit status 0 when every check passed. On the lent device machine the image lacks posix_ipc and
-blake3: docs/gpu.md says how to carry their wheels.
+Each check is printed as it ends; exit status 0 when every check passed, 1 otherwise, 2 without
+CUDA. Workers die with this process (even on SIGKILL of it). On the lent device machine the image
+lacks posix_ipc and blake3: docs/gpu.md says how to carry their wheels.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
+import gc
 import json
 import multiprocessing as mp
 import os
@@ -41,19 +48,42 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import numpy as np
 import torch
 import xxhash
 
-from shmcache import CacheConfig, EmbeddingCache, destroy_namespace
+from shmcache import CacheConfig, EmbeddingCache, EmbeddingCacheKey, destroy_namespace
+from shmcache.layout import COUNTERS
+from tools.bench_keys import CONFIG as PCONFIG
 from tools.bench_node import key as key_of
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 VALUE_BYTES = 8 << 20
-_TIMEOUT_S = 120.0
+_REPLY_TIMEOUT_S = 60.0
+_PR_SET_PDEATHSIG = 1
 
 
-def fingerprint(value: torch.Tensor) -> str:
-    return xxhash.xxh3_128_hexdigest(value.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+def fingerprint(value: Any) -> str:
+    """A digest of the value's bytes: a torch tensor (any device), a numpy or a cupy array."""
+    if isinstance(value, torch.Tensor):
+        data = value.detach().contiguous().cpu().view(torch.uint8).numpy()
+    elif isinstance(value, np.ndarray):
+        data = np.ascontiguousarray(value).view(np.uint8)
+    else:
+        import cupy
+
+        data = np.ascontiguousarray(cupy.asnumpy(value)).view(np.uint8)
+    return xxhash.xxh3_128_hexdigest(data.tobytes())
+
+
+def _describe(value: Any) -> dict[str, Any]:
+    library = type(value).__module__.split(".")[0]
+    if library == "numpy":
+        return {"library": library, "device": "cpu"}
+    return {
+        "library": library,
+        "device": str(value.device) if library == "torch" else f"cuda:{value.device.id}",
+    }
 
 
 def _value(name: str, nbytes: int = VALUE_BYTES) -> torch.Tensor:
@@ -62,39 +92,82 @@ def _value(name: str, nbytes: int = VALUE_BYTES) -> torch.Tensor:
     return torch.randn(nbytes // 2, generator=generator, device="cuda").to(dtype)
 
 
+def _worker_start(device: int | None) -> None:
+    """Die with the parent (so a killed check leaves nothing holding GPU memory or /dev/shm), use
+    CUDA on `device` (None: never initialise it), and freeze the heap so that the `gc.collect()`
+    of each `flush_releases` stays cheap."""
+    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() == 1:  # the parent died before the prctl
+        os._exit(1)
+    if device is not None:
+        torch.cuda.set_device(device)
+        torch.zeros(1, device="cuda")
+    gc.freeze()
+
+
+def _own_counts(cache: EmbeddingCache) -> dict[str, int]:
+    """This process's own gpu_* counters (stats() sums every process)."""
+    row = cache._node.all_counters[cache._node.client]
+    return {name: int(row[i]) for i, name in enumerate(COUNTERS) if name.startswith("gpu_")}
+
+
 def concurrent_exporter(
     config: CacheConfig, threads: int, per_thread: int, commands: Any, replies: Any
 ) -> None:
     """Threads put distinct small CUDA values at once (exports racing sweeps and withdrawals)."""
+    _worker_start(0)
     cache = EmbeddingCache(config)
     names = [[f"c{t}-{i}" for i in range(per_thread)] for t in range(threads)]
+    failures: list[str] = []
 
     def put_all(batch: list[str]) -> None:
-        for name in batch:
-            cache.put(key_of(name), _value(name, 64 << 10))
-            cache.flush_releases()
+        try:
+            for name in batch:
+                cache.put(key_of(name), _value(name, 64 << 10))
+                cache.flush_releases()
+        except Exception as exc:  # reported to the parent
+            failures.append(repr(exc))
 
     workers = [threading.Thread(target=put_all, args=(batch,)) for batch in names]
     for worker in workers:
         worker.start()
     for worker in workers:
         worker.join()
-    replies.put({name: fingerprint(_value(name, 64 << 10)) for batch in names for name in batch})
+    truth = {name: fingerprint(_value(name, 64 << 10)) for batch in names for name in batch}
+    replies.put({"truth": truth, "failures": failures, "counts": _own_counts(cache)})
     commands.get()  # stay alive (exporting) until the parent is done
 
 
 def exporter(config: CacheConfig, commands: Any, replies: Any) -> None:
-    """Put one 8 MiB value per dtype from CUDA memory, then follow the parent's commands."""
+    """Put one 8 MiB CUDA value per dtype, a cupy array, and a value computed on the GPU by
+    `get_or_compute`; then follow the parent's commands."""
+    _worker_start(0)
     cache = EmbeddingCache(config)
-    originals = {name: _value(name) for name in DTYPES}
+    originals: dict[str, Any] = {name: _value(name) for name in DTYPES}
     for name, value in originals.items():
         cache.put(key_of(name), value)
+    try:
+        import cupy
+    except ImportError:
+        pass
+    else:
+        originals["cupy"] = cupy.arange(1 << 16, dtype=cupy.float32) * 0.5
+        cache.put(key_of("cupy"), originals["cupy"])
+    computed = cache.get_or_compute(key_of("computed"), lambda: _value("computed", 1 << 20))
+    originals["computed"] = _value("computed", 1 << 20)
     own: dict[str, torch.Tensor] = {}
     for name in DTYPES:
         mine = cache.get(key_of(name))
         assert isinstance(mine, torch.Tensor) and mine.is_cuda, "the exporter reads its own copy"
         own[name] = mine
-    replies.put({name: fingerprint(value) for name, value in originals.items()})
+    replies.put(
+        {
+            "truth": {name: fingerprint(value) for name, value in originals.items()},
+            "computed": {**_describe(computed), "fingerprint": fingerprint(computed)},
+            "computes": cache.stats()["computes"],
+            "counts": _own_counts(cache),
+        }
+    )
     saved: dict[str, torch.Tensor] = {}
     while True:
         command, name = commands.get()
@@ -108,26 +181,34 @@ def exporter(config: CacheConfig, commands: Any, replies: Any) -> None:
 
 
 def fence_exporter(config: CacheConfig, commands: Any, replies: Any) -> None:
-    """Export "fence-a"; on command, put "fence-b", which withdraws "fence-a" (the export limit
-    holds one value) and, once unreferenced, frees it: its block is likely reused at once."""
+    """Export "fence-a"; on command, wait until nobody references it, then put "fence-b": the
+    export limit holds one value, so "fence-a" is withdrawn and freed first, and "fence-b" most
+    likely lands in its memory."""
+    _worker_start(0)
     cache = EmbeddingCache(config)
     first = torch.ones(VALUE_BYTES // 2, dtype=torch.bfloat16, device="cuda")
     cache.put(key_of("fence-a"), first)
     replies.put(first.float().sum().item())
     commands.get()
+    started = time.monotonic()
+    while cache.stats()["references"] and time.monotonic() - started < 20:
+        time.sleep(0.005)
+    waited = time.monotonic() - started
+    before = _own_counts(cache)
     cache.put(key_of("fence-b"), torch.full_like(first, -3.0))
     torch.cuda.synchronize()
-    replies.put(cache.stats()["gpu_export_skips"])
+    after = _own_counts(cache)
+    replies.put(
+        {"waited_s": waited, **{k: after[k] - before[k] for k in ("gpu_exports", "gpu_export_skips")}}
+    )
     commands.get()
 
 
 def reader(config: CacheConfig, device: int | None, commands: Any, replies: Any) -> None:
-    """Follow the parent's commands: get values, peek at held ones, time hits, report stats.
+    """Follow the parent's commands: get values, peek at held ones, time hits, report counters.
     With `device`, this process uses CUDA on that device; without, it never initialises CUDA."""
+    _worker_start(device)
     use_cuda = device is not None
-    if device is not None:
-        torch.cuda.set_device(device)
-        torch.zeros(1, device="cuda")
     cache = EmbeddingCache(config)
     held: dict[str, Any] = {}
     while True:
@@ -137,13 +218,9 @@ def reader(config: CacheConfig, device: int | None, commands: Any, replies: Any)
             value = cache.get(key_of(name))
             assert value is not None, f"{name}: miss"
             held[name] = value
-            replies.put(
-                {
-                    "device": str(value.device),
-                    "fingerprint": fingerprint(value),
-                    "allocated": (torch.cuda.memory_allocated() - before) if use_cuda else 0,
-                }
-            )
+            allocated = (torch.cuda.memory_allocated() - before) if use_cuda else 0
+            replies.put({**_describe(value), "fingerprint": fingerprint(value), "allocated": allocated})
+            del value
         elif command == "peek":
             replies.put(held[name].view(torch.int16)[:16].cpu().tolist())
         elif command == "drop":
@@ -152,22 +229,22 @@ def reader(config: CacheConfig, device: int | None, commands: Any, replies: Any)
             replies.put("dropped")
         elif command == "bench":
             replies.put(_bench(cache, name))
-        elif command == "fence":  # queue ~1 s of GPU work on an alias, then release the alias
+        elif command == "fence":  # queue ~1 s of GPU work on an alias, then drop the alias at once
             alias = cache.get(key_of(name))
             assert alias is not None
             torch.cuda._sleep(2_000_000_000)  # type: ignore[no-untyped-call]
             held["sum"] = alias.float().sum()
             del alias
-            started = time.monotonic()
-            cache.flush_releases()  # must wait for the queued sum before the pin goes
-            replies.put(time.monotonic() - started)
+            replies.put("dropped")
         elif command == "sum":
             replies.put(held.pop("sum").item())
-        elif command == "stats":
-            replies.put(cache.stats())
+        elif command == "counts":
+            replies.put(_own_counts(cache))
         elif command == "stop":
+            held.clear()
+            counts = _own_counts(cache)
             cache.close()
-            replies.put("stopped")
+            replies.put(counts)
             return
 
 
@@ -183,7 +260,7 @@ def _p50_us(run: Callable[[], object], n: int = 200, between: Callable[[], objec
 
 
 def _bench(cache: EmbeddingCache, name: str) -> dict[str, float]:
-    """p50 of a GPU hit (the mapping already open, as after the first), a repeat hit, and copies."""
+    """p50 of a GPU hit (opening the handle: no other view of it is alive), a repeat hit, and copies."""
     key = key_of(name)
     cache.get(key)
     cache.flush_releases()
@@ -224,6 +301,7 @@ class _Process:
     def __init__(self, target: Callable[..., None], *args: Any) -> None:
         ctx = mp.get_context("spawn")
         self.commands, self.replies = ctx.Queue(), ctx.Queue()
+        self.name = target.__name__
         self.proc = ctx.Process(target=target, args=(*args, self.commands, self.replies), daemon=True)
         self.proc.start()
 
@@ -232,11 +310,16 @@ class _Process:
         return self.reply()
 
     def reply(self) -> Any:
-        try:
-            return self.replies.get(timeout=_TIMEOUT_S)
-        except queue.Empty:
-            state = "alive" if self.proc.is_alive() else f"exited with {self.proc.exitcode}"
-            raise RuntimeError(f"no reply within {_TIMEOUT_S}s from a worker ({state})") from None
+        """The next reply; raises at once if the worker died, or after `_REPLY_TIMEOUT_S`."""
+        deadline = time.monotonic() + _REPLY_TIMEOUT_S
+        while True:
+            try:
+                return self.replies.get(timeout=1.0)
+            except queue.Empty:
+                if not self.proc.is_alive():
+                    raise RuntimeError(f"{self.name} exited with {self.proc.exitcode}") from None
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"no reply from {self.name} within {_REPLY_TIMEOUT_S}s") from None
 
     def kill(self) -> None:
         if self.proc.pid is not None and self.proc.is_alive():
@@ -244,104 +327,168 @@ class _Process:
         self.proc.join(10)
 
 
-def _gpu_counts(worker: _Process) -> dict[str, int]:
-    return {k: v for k, v in worker.ask("stats").items() if k.startswith("gpu_")}
-
-
 def _delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
     return {name: after[name] - before.get(name, 0) for name in after}
 
 
-def run_checks() -> dict[str, Any]:
-    """Run every check; returns {"checks": {name: passed}, "figures": {...}, "notes": [...]}."""
+@dataclasses.dataclass
+class Report:
+    """What the checks found so far (kept when a later check breaks off)."""
+
+    checks: dict[str, bool] = dataclasses.field(default_factory=dict)
+    figures: dict[str, Any] = dataclasses.field(default_factory=dict)
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    def check(self, name: str, passed: bool) -> None:
+        self.checks[name] = bool(passed)
+        print(f"{'PASS' if passed else 'FAIL'}  {name}", flush=True)
+
+    def failed(self) -> list[str]:
+        return [name for name, passed in self.checks.items() if not passed]
+
+
+def run_checks(report: Report | None = None) -> Report:
+    """Run every check into `report` (a new one if None) and return it."""
+    report = report or Report()
     namespace = f"gpu-check-{os.getpid()}"
     config = CacheConfig(enable_embedding_cache=True, namespace=namespace, capacity_bytes=256 << 20)
-    checks: dict[str, bool] = {}
-    figures: dict[str, Any] = {}
-    notes: list[str] = []
+    report.figures["PYTORCH_CUDA_ALLOC_CONF"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    _keys(report)
     workers: list[_Process] = []
     try:
         export = _Process(exporter, config)
-        workers.append(export)
-        truth = export.reply()
         gpu_reader = _Process(reader, config, 0)
         cpu_reader = _Process(reader, config, None)
-        workers += [gpu_reader, cpu_reader]
-        counts = _gpu_counts(gpu_reader)
-        for name in DTYPES:
-            got = gpu_reader.ask("get", name)
-            checks[f"alias {name} bit-identical"] = (
-                got["fingerprint"] == truth[name] and got["device"] == "cuda:0"
-            )
-            checks[f"alias {name} allocates no device memory"] = got["allocated"] == 0
-            host = cpu_reader.ask("get", name)
-            checks[f"host copy {name} bit-identical on CPU"] = (
-                host["fingerprint"] == truth[name] and host["device"] == "cpu"
-            )
-        delta = _delta(_gpu_counts(gpu_reader), counts)
-        checks["the GPU reader's two reads took the alias route, the CPU reader's none"] = (
-            delta["gpu_hits_alias"] == 2 and delta["gpu_hits_host_copy"] == 0
-        )
+        workers += [export, gpu_reader, cpu_reader]
+        put = export.reply()
+        truth = put["truth"]
+        report.figures["exporter counters"] = put["counts"]
+        _inputs(report, put, gpu_reader, cpu_reader)
         before = gpu_reader.ask("peek", "bf16")
         export.ask("mutate", "bf16")
         during = gpu_reader.ask("peek", "bf16")
         export.ask("restore", "bf16")
         after = gpu_reader.ask("peek", "bf16")
-        checks["zero copy: the reader sees the exporter's in-place change"] = (
-            during == [12345] * 16 and before == after != during
+        report.check(
+            "zero copy: the reader sees the exporter's in-place change",
+            during == [12345] * 16 and before == after != during,
         )
         gpu_reader.ask("drop")
-        figures.update(gpu_reader.ask("bench", "bf16"))
-        checks.update(_peer(config, truth, notes))
+        report.figures.update(gpu_reader.ask("bench", "bf16"))
+        _peer(report, config, truth)
         gpu_reader.ask("drop")
         gpu_reader.ask("get", "bf16")  # an alias held (and its repeat-hit template) across the kill
         export.kill()
-        counts = _gpu_counts(gpu_reader)
+        counts = gpu_reader.ask("counts")
         repeat = gpu_reader.ask("get", "bf16")
-        delta = _delta(_gpu_counts(gpu_reader), counts)
-        checks["after the exporter's SIGKILL: a repeat hit takes the host copy, not a new alias"] = (
-            repeat["fingerprint"] == truth["bf16"] and delta["gpu_hits_host_copy"] == 1
+        delta = _delta(gpu_reader.ask("counts"), counts)
+        report.check(
+            "after the exporter's SIGKILL: a repeat hit takes the host copy, not a new alias",
+            repeat["fingerprint"] == truth["bf16"] and delta["gpu_hits_host_copy"] == 1,
         )
         late = _Process(reader, config, 0)
         workers.append(late)
-        counts = _gpu_counts(late)
+        counts = late.ask("counts")
         for name in DTYPES:
             got = late.ask("get", name)
-            checks[f"after the exporter's SIGKILL: {name} from the host copy, bit-identical"] = (
-                got["fingerprint"] == truth[name] and got["device"] == "cuda:0"
+            report.check(
+                f"after the exporter's SIGKILL: {name} from the host copy, bit-identical",
+                got["fingerprint"] == truth[name] and got["device"] == "cuda:0",
             )
-        delta = _delta(_gpu_counts(late), counts)
-        checks["after the exporter's SIGKILL: host-to-device route, dead exporter counted"] = (
-            delta["gpu_hits_host_copy"] == 2 and delta["gpu_dead_exporter"] >= 2
+        delta = _delta(late.ask("counts"), counts)
+        report.check(
+            "after the exporter's SIGKILL: host-to-device route, dead exporter counted",
+            delta["gpu_hits_host_copy"] == 2
+            and delta["gpu_dead_exporter"] >= 2
+            and delta["gpu_hits_alias"] == 0,
         )
-        checks["4 threads exporting 64 values at once (withdrawing all along): bit-identical"] = _racing(
-            config, late, workers
-        )
-        checks["a released alias's queued kernel finishes before its memory is reused"] = _fence(
-            namespace, figures, workers
-        )
+        late.ask("drop")
+        _racing(report, config, late, workers)
+        _fence(report, namespace, workers)
         for worker in (gpu_reader, cpu_reader, late):
-            worker.ask("stop")
+            report.figures[f"{worker.name} {workers.index(worker)} counters"] = worker.ask("stop")
     finally:
         for worker in workers:
             worker.kill()
         destroy_namespace(namespace)
-    return {"checks": checks, "figures": figures, "notes": notes}
+    return report
 
 
-def _racing(config: CacheConfig, reader_process: _Process, workers: list[_Process]) -> bool:
+def _keys(report: Report) -> None:
+    """Keys of CUDA tensors equal the keys of their CPU copies (dtype, shape and bytes hashed)."""
+    value = _value("key", 1 << 16).reshape(128, 256)
+    pairs = [(value, value.cpu()), (value.t(), value.t().cpu()), (value.half(), value.half().cpu())]
+    report.check(
+        "keys of CUDA tensors (bf16, non-contiguous, fp16) equal their CPU copies' keys",
+        all(
+            EmbeddingCacheKey.from_decoded_tensor(gpu, PCONFIG, modality="image")
+            == EmbeddingCacheKey.from_decoded_tensor(cpu, PCONFIG, modality="image")
+            for gpu, cpu in pairs
+        ),
+    )
+
+
+def _inputs(report: Report, put: dict[str, Any], gpu_reader: _Process, cpu_reader: _Process) -> None:
+    """Every input the exporter put, through the alias route and the host route."""
+    truth = put["truth"]
+    counts = gpu_reader.ask("counts")
+    for name in truth:
+        got = gpu_reader.ask("get", name)
+        host = cpu_reader.ask("get", name)
+        library = "cupy" if name == "cupy" else "torch"
+        report.check(
+            f"{name}: alias bit-identical, a {library} array on cuda:0",
+            got["fingerprint"] == truth[name] and (got["library"], got["device"]) == (library, "cuda:0"),
+        )
+        report.check(f"{name}: the alias allocates no device memory", got["allocated"] == 0)
+        host_library = "numpy" if name == "cupy" else "torch"
+        report.check(
+            f"{name}: host copy bit-identical on a CPU reader, as {host_library}",
+            host["fingerprint"] == truth[name] and (host["library"], host["device"]) == (host_library, "cpu"),
+        )
+    if "cupy" not in truth:
+        report.notes.append("cupy input not run: cupy does not import in the exporter")
+    delta = _delta(gpu_reader.ask("counts"), counts)
+    report.check(
+        f"the GPU reader's {len(truth)} reads all took the alias route",
+        delta["gpu_hits_alias"] == len(truth) and delta["gpu_hits_host_copy"] == 0,
+    )
+    report.check(
+        "get_or_compute: one compute on the GPU, its result a CUDA tensor of the exporter's",
+        put["computes"] == 1
+        and put["computed"]["fingerprint"] == truth["computed"]
+        and put["computed"]["device"] == "cuda:0",
+    )
+    report.check(
+        "every value was exported (no export skipped)",
+        put["counts"]["gpu_exports"] == len(truth) and put["counts"]["gpu_export_skips"] == 0,
+    )
+
+
+def _racing(report: Report, config: CacheConfig, reader_process: _Process, workers: list[_Process]) -> None:
     """Exports race sweeps and withdrawals (a 256 KiB export limit for 64 KiB values)."""
     racing = _Process(concurrent_exporter, dataclasses.replace(config, gpu_export_bytes=256 << 10), 4, 16)
     workers.append(racing)
-    expected = racing.reply()
-    got = {name: reader_process.ask("get", name)["fingerprint"] for name in expected}
+    done = racing.reply()
+    report.figures["racing exporter counters"] = done["counts"]
+    counts = reader_process.ask("counts")
+    got = {name: reader_process.ask("get", name)["fingerprint"] for name in done["truth"]}
+    delta = _delta(reader_process.ask("counts"), counts)
+    reader_process.ask("drop")
     racing.commands.put(("stop", ""))
-    return bool(got == expected)
+    report.check(
+        "4 threads exporting 64 values at once (withdrawing all along): bit-identical, some aliased",
+        not done["failures"]
+        and got == done["truth"]
+        and delta["gpu_hits_alias"] > 0
+        and delta["gpu_hits_alias"] + delta["gpu_hits_host_copy"] == len(got),
+    )
 
 
-def _fence(namespace: str, figures: dict[str, Any], workers: list[_Process]) -> bool:
-    """A reader queues ~1 s of work on an alias and drops it; the exporter then withdraws and
-    frees that copy and writes another value, likely into the same block. The sum must be right."""
+def _fence(report: Report, namespace: str, workers: list[_Process]) -> None:
+    """A reader queues ~1 s of work on an alias and drops it; the exporter waits until the entry is
+    unreferenced, then frees and reuses that copy. The pin must have outlasted the work (the
+    wait), the memory must have been reused (an export, no skip), and the sum must be right."""
     config = CacheConfig(
         enable_embedding_cache=True,
         namespace=namespace + "-fence",
@@ -353,64 +500,81 @@ def _fence(namespace: str, figures: dict[str, Any], workers: list[_Process]) -> 
         fence_reader = _Process(reader, config, 0)
         workers += [export, fence_reader]
         expected = export.reply()
-        figures["fence_release_wait_s"] = round(fence_reader.ask("fence", "fence-a"), 3)
+        counts = fence_reader.ask("counts")
+        fence_reader.ask("fence", "fence-a")
         export.commands.put(("overwrite", ""))
-        export.reply()
+        overwrite = export.reply()
         total = fence_reader.ask("sum")
+        aliased = _delta(fence_reader.ask("counts"), counts)["gpu_hits_alias"]
         export.commands.put(("stop", ""))
         fence_reader.ask("stop")
-        return bool(total == expected)
+        report.figures["fence: pin held after the drop (s)"] = round(overwrite["waited_s"], 3)
+        report.check(
+            "fence: a released alias's queued kernel finishes before its memory is freed and reused",
+            aliased == 1
+            and overwrite["waited_s"] > 0.3
+            and overwrite["gpu_exports"] == 1
+            and overwrite["gpu_export_skips"] == 0
+            and total == expected,
+        )
     finally:
         destroy_namespace(config.namespace)
 
 
-def _peer(config: CacheConfig, truth: dict[str, str], notes: list[str]) -> dict[str, bool]:
+def _peer(report: Report, config: CacheConfig, truth: dict[str, str]) -> None:
     """A reader on GPU 1 gets the exporter's GPU 0 values through the peer route."""
     if torch.cuda.device_count() < 2 or not torch.cuda.can_device_access_peer(1, 0):
-        notes.append(f"peer route not run: {torch.cuda.device_count()} GPU(s) visible, no peer pair")
-        return {}
+        report.notes.append(f"peer route not run: {torch.cuda.device_count()} GPU(s) visible, no peer pair")
+        return
     peer = _Process(reader, config, 1)
     try:
         got = {name: peer.ask("get", name) for name in DTYPES}
-        stats = peer.ask("stats")
-        peer.ask("stop")
+        counts = peer.ask("stop")
     finally:
         peer.kill()
-    return {
-        "peer route: on GPU 1, bit-identical": all(
-            got[name]["fingerprint"] == truth[name] and got[name]["device"] == "cuda:1" for name in DTYPES
-        ),
-        "peer route taken": stats["gpu_hits_peer"] >= 2,
-    }
+    report.check(
+        "peer route: on GPU 1, bit-identical",
+        all(got[name]["fingerprint"] == truth[name] and got[name]["device"] == "cuda:1" for name in DTYPES),
+    )
+    report.check("peer route taken", counts["gpu_hits_peer"] == len(DTYPES))
+
+
+class _Terminated(Exception):
+    """SIGTERM (e.g. from `timeout`): end the checks, clean up, and still write the report."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise _Terminated("terminated by SIGTERM")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--json", type=Path, help="also write the report here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device here; nothing was checked")
         return 2
+    signal.signal(signal.SIGTERM, _terminate)
     started = time.monotonic()
+    report = Report()
     try:
-        report = run_checks()
-    except Exception as exc:  # a worker died or hung: a failed check, with the reason
-        report = {
-            "checks": {f"the checks ran to the end ({type(exc).__name__}: {exc})": False},
-            "figures": {},
-            "notes": [],
-        }
-    report["device"] = torch.cuda.get_device_name(0)
-    report["seconds"] = round(time.monotonic() - started, 1)
-    for name, passed in report["checks"].items():
-        print(f"{'PASS' if passed else 'FAIL'}  {name}")
-    for name, figure in report["figures"].items():
-        print(f"      {name}: {figure if isinstance(figure, dict) else f'{figure:.1f}'}")
-    for note in report["notes"]:
+        run_checks(report)
+    except Exception as exc:  # a worker died or hung, or SIGTERM: a failed check, with the reason
+        report.check(f"the checks ran to the end ({type(exc).__name__}: {exc})", False)
+    summary = {
+        "device": torch.cuda.get_device_name(0),
+        "seconds": round(time.monotonic() - started, 1),
+        **dataclasses.asdict(report),
+    }
+    for name, figure in report.figures.items():
+        print(f"      {name}: {figure if not isinstance(figure, float) else f'{figure:.1f}'}")
+    for note in report.notes:
         print(f"note  {note}")
+    passed = len(report.checks) - len(report.failed())
+    print(f"{passed}/{len(report.checks)} checks passed in {summary['seconds']} s")
     if args.json:
-        args.json.write_text(json.dumps(report, indent=2))
-    return 0 if all(report["checks"].values()) else 1
+        args.json.write_text(json.dumps(summary, indent=2))
+    return 0 if report.checks and not report.failed() else 1
 
 
 if __name__ == "__main__":
