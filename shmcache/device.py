@@ -89,9 +89,9 @@ class DeviceSide:
         self._visible: dict[bytes, int] | None = None
         self._lock = threading.Lock()
         self._settle_lock = threading.Lock()  # one settler at a time: pins wait for *every* fence
-        # (device, CUDA event after the last use of a released alias, or None: wait for the device)
-        self._fences: deque[tuple[int, Any]] = deque()
-        self._unmapped: deque[tuple[ExporterId, bytes]] = deque()  # released aliases' mappings
+        # released aliases: (device, CUDA event after their last use or None: wait for the whole
+        # device, and the mapping view to hand back once that work is done)
+        self._released: deque[tuple[int, Any, ExporterId, bytes]] = deque()
 
     # ----------------------------------------------------------------- driver
     def _cuda(self) -> CudaDriver | None:
@@ -162,34 +162,20 @@ class DeviceSide:
             self.exports.mark_withdrawn(slot, gen)  # freed by a sweep once nothing references it
 
     def settle(self) -> None:
-        """Before released pins are dropped: wait for the kernels queued on released aliases, then
-        give their mappings back. Runs in the release thread (and in `flush_releases`)."""
+        """Before released pins are dropped: wait for the kernels queued on every alias released
+        so far, then give their mappings back. Runs in the release thread (and `flush_releases`)."""
         with self._settle_lock:
+            released = []
             while True:
                 try:
-                    ordinal, event = self._fences.popleft()
+                    released.append(self._released.popleft())
                 except IndexError:
                     break
+            for ordinal, event, _exporter, _handle in released:
                 _wait(ordinal, event)
-            while self._mappings is not None:
-                try:
-                    released = self._unmapped.popleft()
-                except IndexError:
-                    break
-                self._mappings.release(*released)
-
-    def _fence(self, ordinal: int) -> None:
-        """Record an event after the work queued so far on device `ordinal`'s current stream;
-        if that fails, the settler waits for the whole device instead."""
-        import torch
-
-        try:
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record(torch.cuda.current_stream(ordinal))
-        except Exception as exc:  # e.g. during stream capture: fall back to the device
-            log.debug("shmcache: recording a release fence failed (%s): waiting for the device", exc)
-            event = None
-        self._fences.append((ordinal, event))
+            for _ordinal, _event, exporter, handle in released:
+                assert self._mappings is not None  # aliases exist only where mappings do
+                self._mappings.release(exporter, handle)
 
     def close(self, wait_s: float = _CLOSE_WAIT_S) -> None:
         """Withdraw our records, then wait at most `wait_s` for other processes to release the
@@ -199,10 +185,13 @@ class DeviceSide:
         self.withdraw_all()
 
         def others(slot: int, gen: int) -> tuple[bool, int]:
-            """References of other processes. Ours are read after the total: our release thread
-            may drop some in between, which can only overstate the others' share."""
+            """References of other processes. Ours are read before and after the total and the
+            smaller count is taken: our threads may drop or take pins meanwhile, and neither may
+            make another process's reference look like ours."""
+            ours = self._node.held_pins().get((slot, gen), 0)
             indexed, references = self._node.entry_state(slot, gen)
-            return indexed, references - self._node.held_pins().get((slot, gen), 0)
+            ours = min(ours, self._node.held_pins().get((slot, gen), 0))
+            return indexed, references - ours
 
         deadline = time.monotonic() + wait_s
         while self.exports.exported():
@@ -362,10 +351,18 @@ class DeviceSide:
         return value
 
     def _released_alias(self, ordinal: int, exporter: ExporterId, handle: bytes) -> None:
-        """An alias died: fence the work queued on it, then let its mapping view go (both settled
-        by the release path before the entry's pin is dropped)."""
-        self._fence(ordinal)
-        self._unmapped.append((exporter, handle))
+        """An alias died: record an event after the work queued so far on device `ordinal`'s
+        current stream (if that fails, the settler waits for the whole device), and queue it with
+        the alias's mapping view; the release path settles both before it drops the entry's pin."""
+        import torch
+
+        try:
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(torch.cuda.current_stream(ordinal))
+        except Exception as exc:  # a lost context, say: fall back to the device
+            log.debug("shmcache: recording a release fence failed (%s): waiting for the device", exc)
+            event = None
+        self._released.append((ordinal, event, exporter, handle))
 
     @staticmethod
     def _host_to_device(
@@ -385,7 +382,7 @@ class DeviceSide:
 
 def _wait(ordinal: int, event: Any) -> None:
     """Wait for `event`, or for all of device `ordinal`'s work where there is no event or the
-    wait on it fails."""
+    wait on it fails. A device that cannot be waited for runs no more work: that is logged."""
     import torch
 
     if event is not None:
@@ -394,7 +391,10 @@ def _wait(ordinal: int, event: Any) -> None:
             return
         except Exception as exc:  # a broken event: the device wait below covers its work too
             log.debug("shmcache: waiting for a release fence failed (%s): waiting for the device", exc)
-    torch.cuda.synchronize(ordinal)
+    try:
+        torch.cuda.synchronize(ordinal)
+    except Exception as exc:
+        log.warning("shmcache: cannot wait for device %d before releasing its aliases: %s", ordinal, exc)
 
 
 def _nothing() -> None:

@@ -6,6 +6,7 @@ The CUDA copies themselves are checked by tests/test_gpu_cuda.py and tools/gpu_c
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import struct
 import threading
@@ -14,11 +15,14 @@ from importlib import resources
 from pathlib import Path
 
 import jsonschema
+import numpy as np
 import pytest
 import torch
 
 from shmcache import CacheConfig, EmbeddingCache, InvalidConfig, values
 from shmcache import device as device_module
+from shmcache.entry import ENTRY_HEADER_SIZE
+from shmcache.errors import CudaError
 from shmcache.gpu import DeviceMappings, ExporterId, Exports, GpuRecord, ReaderDevice, Route, choose_route
 from shmcache.inspect import render
 from shmcache.node import needle_of
@@ -338,6 +342,10 @@ class _Event:
         self.order.append(self.name)
 
 
+def _no_event() -> None:
+    raise RuntimeError("no CUDA event")
+
+
 def test_released_aliases_are_settled_before_their_pins_go(
     config: CacheConfig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -350,15 +358,17 @@ def test_released_aliases_are_settled_before_their_pins_go(
         driver = _RecordingDriver()
         side._mappings = DeviceMappings(driver)  # type: ignore[arg-type]
         monkeypatch.setattr(torch.cuda, "synchronize", lambda device: order.append(f"device {device}"))
+        monkeypatch.setattr(torch.cuda, "Event", _no_event)
         monkeypatch.setattr(driver, "close", lambda base, ordinal: order.append("unmap"))
         monkeypatch.setattr(cache._node, "unpin_many", lambda pins: (order.append("unpin"), unpin(pins))[1])
         view = cache.get(key_of("v"))
         assert view is not None and cache.stats()["references"] == 1
         exporter = ExporterId(9, 99, 9)
-        side._mappings.acquire(exporter, FAKE_IPC_HANDLE, 0)
-        side._fences.append((0, _Event(order, "event")))
-        side._fences.append((1, _Event(order, "broken", broken=True)))
-        side._released_alias(2, exporter, FAKE_IPC_HANDLE)  # no CUDA here: its event cannot be made
+        for _ in range(3):
+            side._mappings.acquire(exporter, FAKE_IPC_HANDLE, 0)
+        side._released.append((0, _Event(order, "event"), exporter, FAKE_IPC_HANDLE))
+        side._released.append((1, _Event(order, "broken", broken=True), exporter, FAKE_IPC_HANDLE))
+        side._released_alias(2, exporter, FAKE_IPC_HANDLE)  # its event cannot be made
         del view
         cache.flush_releases()
         assert order == ["event", "device 1", "device 2", "unmap", "unpin"]
@@ -373,3 +383,89 @@ def test_a_closing_process_does_not_wait_for_its_own_references(config: CacheCon
     cache._device.close()
     assert time.monotonic() - started < 1.0 and cache._device.exports.exported() == []
     cache.close()
+
+
+class _HostTwin:
+    """What the patched `torch.as_tensor` below wraps a CUDA array interface in: host bytes whose
+    tensor keeps the interface alive, as torch keeps it alive for a CUDA tensor made from it."""
+
+    def __init__(self, interface: object) -> None:
+        self.interface = interface
+        nbytes = interface.__cuda_array_interface__["shape"][0]  # type: ignore[attr-defined]
+        self.buffer = np.zeros(nbytes, np.uint8)
+        self.__array_interface__ = self.buffer.__array_interface__
+
+
+@pytest.fixture
+def mapping_side(config: CacheConfig, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    """A cache's GPU side reading another exporter's entries, CUDA stood in for on the host:
+    tensors "made from" IPC mappings are host tensors that keep their interface objects alive."""
+    made: list[int] = []
+
+    def as_tensor(interface: object, device: object = None) -> torch.Tensor:
+        made.append(1)
+        if len(made) == fail_at[0]:
+            raise RuntimeError("no memory for the view")
+        return torch.from_numpy(np.asarray(_HostTwin(interface)))
+
+    fail_at = [0]
+    monkeypatch.setattr(torch, "as_tensor", as_tensor)
+    monkeypatch.setattr(torch.cuda, "Event", _no_event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: torch.cuda.Stream)
+    monkeypatch.setattr(torch.cuda.Stream, "synchronize", staticmethod(lambda: None), raising=False)
+    with EmbeddingCache(config) as cache:
+        side = cache._device
+        driver = _RecordingDriver()
+        side._mappings = DeviceMappings(driver)  # type: ignore[arg-type]
+        monkeypatch.setattr(side, "exporter_alive", lambda record: True)
+        yield side, driver, fail_at
+
+
+def _from_mapping(side, value: values.Value, route: Route, copy: bool):  # type: ignore[no-untyped-def]
+    encoded = values.encode(value)
+    parsed = values.parse(memoryview(encoded))
+    parsed = dataclasses.replace(parsed, arrays=tuple(dataclasses.replace(a, lib=3) for a in parsed.arrays))
+    holder = np.frombuffer(bytes(ENTRY_HEADER_SIZE) + encoded, np.uint8)
+    record = GpuRecord(1, ExporterId(9, 99, 9), 0, 0, len(encoded), FAKE_GPU_UUID, FAKE_IPC_HANDLE)
+    reader = ReaderDevice(0, FAKE_GPU_UUID, {FAKE_GPU_UUID: 0})
+    return side._from_mapping(holder, 0, record, parsed, reader, route, copy)
+
+
+def test_every_alias_holds_one_mapping_view_until_it_is_settled(mapping_side) -> None:  # type: ignore[no-untyped-def]
+    side, driver, _fail_at = mapping_side
+    value = _from_mapping(side, {"a": torch.ones(8), "b": torch.zeros(4)}, Route.ALIAS, copy=False)
+    assert set(value) == {"a", "b"} and driver.opened == [FAKE_IPC_HANDLE]
+    (opened,) = side._mappings._opened.values()
+    assert opened.views == 2 and driver.closed == []  # one per alias; the build's own is given back
+    del value
+    assert len(side._released) == 2 and driver.closed == []  # queued, not yet settled
+    side.settle()
+    assert driver.closed == [opened.base] and len(side._mappings) == 0
+
+
+def test_copies_out_of_a_mapping_give_it_back_at_once(mapping_side) -> None:  # type: ignore[no-untyped-def]
+    side, driver, _fail_at = mapping_side
+    value = _from_mapping(side, {"a": torch.ones(8), "b": torch.zeros(4)}, Route.ALIAS, copy=True)
+    assert len(driver.closed) == 1 and len(side._mappings) == 0 and not side._released
+    del value
+
+
+def test_a_failed_build_gives_every_mapping_view_back(mapping_side) -> None:  # type: ignore[no-untyped-def]
+    side, driver, fail_at = mapping_side
+    fail_at[0] = 2  # the second array's tensor cannot be made
+    with pytest.raises(RuntimeError, match="no memory"):
+        _from_mapping(side, {"a": torch.ones(8), "b": torch.zeros(4)}, Route.ALIAS, copy=False)
+    gc.collect()  # the first array's alias died with the traceback
+    side.settle()
+    assert len(driver.closed) == 1 and len(side._mappings) == 0
+
+
+def test_an_exporter_dead_after_the_route_was_chosen_gets_no_alias(
+    mapping_side, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    side, driver, _fail_at = mapping_side
+    monkeypatch.setattr(side, "exporter_alive", lambda record: False)
+    with pytest.raises(CudaError, match="died"):
+        _from_mapping(side, torch.ones(8), Route.ALIAS, copy=False)
+    assert len(driver.closed) == 1 and len(side._mappings) == 0 and not side._released
