@@ -80,6 +80,8 @@ _META = struct.Struct("<BB")  # modality, key kind (informational, for inspectio
 _META_OFF = 68
 _COUNTER_INDEX: Final = {name: i for i, name in enumerate(COUNTERS)}
 _ZERO_CRC: Final = zlib.crc32(bytes(KEY_SIZE), zlib.crc32(bytes(SLOT_CRC_SPAN)))
+_SLOT_HEAD: Final = struct.Struct(SLOT.format[:-1])  # the slot record without its crc
+assert _SLOT_HEAD.size == SLOT_CRC_SPAN
 
 
 class LockTimeout(ShmCacheError, TimeoutError):
@@ -211,6 +213,13 @@ class NodeIndex:
         self.retired = np.ndarray((N_COUNTERS,), "<u8", buffer=buf, offset=H_RETIRED)
         self.journal = np.ndarray((N_COUNTERS,), "<u8", buffer=buf, offset=H_JOURNAL)
 
+    def _store(self, fmt: struct.Struct, off: int, *fields: object) -> None:
+        """Write `fields` at `off` in one copy of their packed bytes. Never `pack_into` shared
+        memory: it zeroes its target before writing the fields, so a process reading without the
+        lock (the allocator's snapshot of the slot table, the eviction scan, repeat hits, GPU
+        sweeps) would see a live record as EMPTY and hand its memory out again."""
+        self.idx[off : off + fmt.size] = fmt.pack(*fields)
+
     # ----------------------------------------------------------------- sections and repair
     def _enter(self, sem: int, held_off: int, what: str) -> bool:
         """Take semaphore `sem` and set its held marker; True if the last holder died inside."""
@@ -222,13 +231,13 @@ class NodeIndex:
                 f"{self.sems.last_pid(sem)})"
             ) from None
         repair: bool = _U32.unpack_from(self.idx, held_off)[0] != 0
-        _U32.pack_into(self.idx, held_off, 1)
+        self._store(_U32, held_off, 1)
         return repair
 
     def _leave(self, sem: int, held_off: int, clean: bool) -> None:
         """Clear the held marker (only after a clean exit: else the next holder repairs) and release."""
         if clean:
-            _U32.pack_into(self.idx, held_off, 0)
+            self._store(_U32, held_off, 0)
         self.sems.release(sem)
 
     def stripe_section(self, stripe: int) -> _Section:
@@ -269,26 +278,27 @@ class NodeIndex:
             if state == STALE and refs == 0:
                 state, size = EMPTY, 0
             self._write_slot(slot, state, owner, gen, offset, size, sealed_at, refs)
-        _U32.pack_into(
-            self.idx,
-            self.layout.stripes_off + 8 * stripe + 4,
-            _U32.unpack_from(self.idx, self.layout.stripes_off + 8 * stripe + 4)[0] + 1,
-        )
+        repairs_off = self.layout.stripes_off + 8 * stripe + 4
+        self._store(_U32, repairs_off, _U32.unpack_from(self.idx, repairs_off)[0] + 1)
         self.count("repairs")
 
     # ----------------------------------------------------------------- slot records
-    def _crc(self, slot: int) -> int:
-        """CRC of the record and its key, xor-ed so that a never-written (all-zero) slot verifies."""
+    def _crc(self, slot: int, head: bytes | memoryview | None = None) -> int:
+        """CRC of the record (`head`, else the stored one) and its key, xor-ed so that a
+        never-written (all-zero) slot verifies."""
         off, koff = self._slots_off + SLOT_SIZE * slot, self._keys_off + KEY_SIZE * slot
-        crc = zlib.crc32(self.idx[koff : koff + KEY_SIZE], zlib.crc32(self.idx[off : off + SLOT_CRC_SPAN]))
-        return crc ^ _ZERO_CRC
+        if head is None:
+            head = self.idx[off : off + SLOT_CRC_SPAN]
+        return zlib.crc32(self.idx[koff : koff + KEY_SIZE], zlib.crc32(head)) ^ _ZERO_CRC
 
     def _write_slot(
         self, slot: int, state: int, owner: int, gen: int, offset: int, size: int, sealed_at: float, refs: int
     ) -> None:
+        """Rewrite the record and its crc in one copy (see `_store`): fields that keep their value
+        never change under a reader."""
+        head = _SLOT_HEAD.pack(state, owner, gen, offset, size, sealed_at, refs)
         off = self._slots_off + SLOT_SIZE * slot
-        SLOT.pack_into(self.idx, off, state, owner, gen, offset, size, sealed_at, refs, 0)
-        _U32.pack_into(self.idx, off + SLOT_CRC_SPAN, self._crc(slot))
+        self.idx[off : off + SLOT.size] = head + _U32.pack(self._crc(slot, head))
 
     def _read_slot(self, slot: int) -> tuple[int, int, int, int, int, float, int] | None:
         """The slot's fields, or None after quarantining a record that fails its crc."""
@@ -318,7 +328,7 @@ class NodeIndex:
 
     def touch(self, slot: int, now: float) -> None:
         """Record an access for LRU (a lone aligned 8-byte store; approximate by design)."""
-        _F64.pack_into(self.idx, self._slots_off + SLOT_SIZE * slot + S_LAST_ACCESS, now)
+        self._store(_F64, self._slots_off + SLOT_SIZE * slot + S_LAST_ACCESS, now)
 
     def expired(self, slot: int, now: float) -> bool:
         return self.ttl is not None and now - self.last_access(slot) > self.ttl
@@ -353,7 +363,7 @@ class NodeIndex:
                     )
                 entry = self._pins[(slot, gen)] = [self._free_pins.pop(), 0]
             entry[1] += count
-            PIN.pack_into(self.idx, self.layout.pin_off(self.client, entry[0]), slot, entry[1], gen)
+            self._store(PIN, self.layout.pin_off(self.client, entry[0]), slot, entry[1], gen)
 
     def _unpin_local(self, slot: int, gen: int, count: int) -> int:
         """Remove up to `count` of this client's pins on (slot, gen); returns how many it held."""
@@ -363,7 +373,7 @@ class NodeIndex:
                 return 0
             taken = min(count, entry[1])
             entry[1] -= taken
-            PIN.pack_into(self.idx, self.layout.pin_off(self.client, entry[0]), slot, entry[1], gen)
+            self._store(PIN, self.layout.pin_off(self.client, entry[0]), slot, entry[1], gen)
             if entry[1] == 0:
                 del self._pins[(slot, gen)]
                 self._free_pins.append(entry[0])
@@ -664,7 +674,7 @@ class NodeIndex:
                 eoff = self.layout.error_off(slot)
                 raw = message.encode("utf-8", "replace")[:ERROR_SIZE]
                 self.idx[eoff : eoff + ERROR_SIZE] = raw.ljust(ERROR_SIZE, b"\0")
-                S_ERROR.pack_into(self.idx, self.layout.slot_off(slot) + S_ERROR_OFF, gen, kind)
+                self._store(S_ERROR, self.layout.slot_off(slot) + S_ERROR_OFF, gen, kind)
                 self._write_slot(slot, EMPTY, -1, gen, 0, 0, 0.0, 0)
                 self._release_reservation(slot)
                 return True
@@ -744,7 +754,7 @@ class NodeIndex:
         off = self.layout.client_off(row)
         self.idx[off : off + self.layout.client_size] = bytes(self.layout.client_size)
         pid = os.getpid()
-        CLIENT_HEAD.pack_into(self.idx, off, 1, pid, _start_ticks(pid), time.time())
+        self._store(CLIENT_HEAD, off, 1, pid, _start_ticks(pid), time.time())
         self.client = row
         self._counters = self.idx[off + C_COUNTERS : off + C_COUNTERS + 8 * N_COUNTERS].cast("Q")
 
@@ -760,11 +770,11 @@ class NodeIndex:
     def _retire(self, row: int) -> None:
         """Fold a client's counters into the retired totals and free its record (journaled)."""
         self.journal[:] = self.retired
-        _I32.pack_into(self.idx, H_JOURNAL_ROW, row)
+        self._store(_I32, H_JOURNAL_ROW, row)
         self.retired[:] = self.retired + self.all_counters[row]
         off = self.layout.client_off(row)
         self.idx[off : off + self.layout.client_size] = bytes(self.layout.client_size)
-        _I32.pack_into(self.idx, H_JOURNAL_ROW, -1)
+        self._store(_I32, H_JOURNAL_ROW, -1)
 
     def _replay_journal(self) -> None:
         row = _I32.unpack_from(self.idx, H_JOURNAL_ROW)[0]

@@ -1,10 +1,17 @@
-"""The arena's first-fit allocator over a racy snapshot of extents."""
+"""The arena's first-fit allocator over a racy snapshot of extents, and what that snapshot sees."""
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
 import numpy as np
 
-from shmcache.node import first_fit
+from shmcache import CacheConfig, EmbeddingCache
+from shmcache.node import first_fit, needle_of
+from tests import workers
+from tests.helpers import kill, spawn, wait_for
+from tests.workers import expected_value, key_of
 
 
 def fit(extents: list[tuple[int, int]], need: int, capacity: int = 1000) -> int | None:
@@ -45,3 +52,31 @@ def test_random_snapshots_never_overlap_live_extents() -> None:
         if offset is not None:
             assert offset + need <= capacity
             assert all(offset + need <= a or offset >= b for a, b in live), (extents, need, offset)
+
+
+def test_the_allocator_never_sees_an_entry_whose_record_is_rewritten_as_free(
+    config: CacheConfig, tmp_path: Path
+) -> None:
+    """References rewrite a hot entry's slot record all the time, and the allocator reads the slot
+    table without stripe locks: it must never find that entry's memory free (struct's pack_into
+    zeroes a record before it writes it, which handed live memory out twice)."""
+    with EmbeddingCache(config) as cache:
+        cache.put(key_of("hot"), expected_value("hot"))
+        node = cache._node
+        info = node.lookup(needle_of(key_of("hot")), pins=0)
+        assert info is not None and info.offset == 0  # the first entry: the gap before it is none
+        ready, stop = tmp_path / "ready", tmp_path / "stop"
+        churner = spawn(workers.churn_refs, config, "hot", str(ready), str(stop))
+        try:
+            wait_for(ready.exists, what="the churner's start")
+            looks = 0
+            deadline = time.monotonic() + 1.5
+            while time.monotonic() < deadline:
+                offset = node._gap(64)
+                assert offset is not None and offset >= info.size, f"live extent handed out at {offset}"
+                looks += 1
+            assert looks > 1000
+        finally:
+            stop.touch()
+            churner.join(30)
+            kill(churner)

@@ -194,3 +194,19 @@ def fake_gpu_exporter(config: CacheConfig, name: str, ready: str) -> None:
     identity = cache._node.identity
     Path(ready).write_text(f"{identity.row} {identity.pid} {identity.start_ticks}")
     time.sleep(3600)
+
+
+def churn_refs(config: CacheConfig, name: str, ready: str, stop: str) -> None:
+    """Take and drop references on `name` in a tight loop (each rewrites its slot record), from
+    the file `ready` on until the file `stop` exists."""
+    from shmcache.node import needle_of
+
+    with EmbeddingCache(config) as cache:
+        node = cache._node
+        info = node.lookup(needle_of(key_of(name)), pins=0)
+        assert info is not None
+        Path(ready).touch()
+        while not Path(stop).exists():
+            for _ in range(200):
+                assert node.add_ref(info.slot, info.gen)
+                node.unpin(info.slot, info.gen, 1)
