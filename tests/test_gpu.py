@@ -320,7 +320,8 @@ def test_a_closing_exporter_counts_its_own_references_as_they_are_now(
         kept = len(device_module._KEPT_UNTIL_EXIT)
         closing = threading.Thread(target=exporter._device.close, kwargs={"wait_s": 1.0})
         closing.start()
-        time.sleep(0.3)
+        wait_for(lambda: _withdrawn(exporter, info), what="close's withdrawal")  # it counts and waits now
+        time.sleep(0.1)
         exporter._node.unpin(info.slot, info.gen, 1)  # our view goes while close waits
         closing.join()
         assert exporter._node.entry_state(info.slot, info.gen) == (True, 1)  # the reader's view
@@ -328,6 +329,11 @@ def test_a_closing_exporter_counts_its_own_references_as_they_are_now(
         exporter.close()
     finally:
         kill(reader)
+
+
+def _withdrawn(cache: EmbeddingCache, info) -> bool:  # type: ignore[no-untyped-def]
+    record = cache._node.gpu_record(info.slot, info.gen)
+    return record is not None and record.withdrawn
 
 
 class _Event:

@@ -407,8 +407,9 @@ def run_checks(report: Report | None = None) -> Report:
         late.ask("drop")
         _racing(report, config, late, workers)
         _fence(report, namespace, workers)
-        for worker in (gpu_reader, cpu_reader, late):
-            report.figures[f"{worker.name} {workers.index(worker)} counters"] = worker.ask("stop")
+        readers = {"GPU reader": gpu_reader, "CPU reader": cpu_reader, "late GPU reader": late}
+        for label, worker in readers.items():
+            report.figures[f"{label} counters"] = worker.ask("stop")
     finally:
         for worker in workers:
             worker.kill()
