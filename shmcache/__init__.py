@@ -1,6 +1,5 @@
 """shmcache: a node-wide, crash-safe, shared-memory cache for multimodal encoder outputs."""
 
-from shmcache.cache import EmbeddingCache, Reservation
 from shmcache.config import CacheConfig
 from shmcache.errors import (
     CacheClosed,
@@ -18,10 +17,11 @@ from shmcache.errors import (
     UnsupportedValue,
     ViewMutated,
 )
-from shmcache.keys import EmbeddingCacheKey
-from shmcache.namespace import destroy_namespace, list_namespaces
-from shmcache.preprocessing import EncoderPreprocessingConfig
-from shmcache.values import HiddenStatePrefix
+from shmcache.format.values import HiddenStatePrefix
+from shmcache.kernel.namespace import destroy_namespace, list_namespaces
+from shmcache.keys.key import EmbeddingCacheKey
+from shmcache.keys.preprocessing import EncoderPreprocessingConfig
+from shmcache.process.cache import EmbeddingCache, Reservation
 
 __version__ = "0.1.0"
 

@@ -2,6 +2,6 @@
 
 import sys
 
-from shmcache.cli import main
+from shmcache.ops.cli import main
 
 sys.exit(main())

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from shmcache.errors import ConfigTypeError, InvalidConfig
-from shmcache.keys import HASH_ALGORITHMS
+from shmcache.keys.key import HASH_ALGORITHMS
 
 __all__ = ["NAMESPACE_PATTERN", "CacheConfig"]
 

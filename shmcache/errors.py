@@ -17,7 +17,11 @@ __all__ = [
     "InvalidConfig",
     "InvalidKey",
     "LayoutMismatch",
+    "LockTimeout",
+    "ProtocolViolation",
+    "RemoteUnavailable",
     "ReservationLost",
+    "SemaphoreTimeout",
     "ShmCacheError",
     "UnsupportedValue",
     "ViewMutated",
@@ -82,3 +86,19 @@ class CacheClosed(ShmCacheError, RuntimeError):
 
 class CudaError(ShmCacheError, RuntimeError):
     """A CUDA driver call failed (the message names the call and the driver's error)."""
+
+
+class SemaphoreTimeout(ShmCacheError, TimeoutError):
+    """A semaphore wait ran out of time."""
+
+
+class LockTimeout(ShmCacheError, TimeoutError):
+    """A stripe or node lock was held longer than lock_timeout_s (a stopped or hung holder)."""
+
+
+class ProtocolViolation(ShmCacheError, RuntimeError):
+    """A write the slot state machine does not allow (a bug in shmcache, never a caller's error)."""
+
+
+class RemoteUnavailable(ShmCacheError, ConnectionError):
+    """The remote store cannot be reached (strict mode raises this at open)."""

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from shmcache.node.slots import SlotState
 from shmcache.testing import kernel_objects
 
 __all__ = ["kernel_objects", "kill", "sealed_slot", "spawn", "wait_for"]
@@ -41,6 +42,7 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 30.0, what: str = "
 
 def sealed_slot(cache: Any) -> int:
     """The slot of the only sealed entry of `cache` (for tests that damage it on purpose)."""
-    sealed = [int(s) for s in range(cache._node.layout.slots) if cache._node.slots["state"][s] == 2]
+    states = cache._node.slots.array["state"]
+    sealed = [int(s) for s in range(cache._node.layout.slots) if states[s] == SlotState.SEALED]
     assert len(sealed) == 1, sealed
     return sealed[0]

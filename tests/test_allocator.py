@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 
 from shmcache import CacheConfig, EmbeddingCache
-from shmcache.node import first_fit, needle_of
+from shmcache.node.allocator import first_fit
+from shmcache.node.layout import needle_of
 from tests import workers
 from tests.helpers import kill, spawn, wait_for
 from tests.workers import expected_value, key_of
@@ -72,7 +73,7 @@ def test_the_allocator_never_sees_an_entry_whose_record_is_rewritten_as_free(
             looks = 0
             deadline = time.monotonic() + 1.5
             while time.monotonic() < deadline:
-                offset = node._gap(64)
+                offset = node.allocator.gap(64)
                 assert offset is not None and offset >= info.size, f"live extent handed out at {offset}"
                 looks += 1
             assert looks > 1000

@@ -26,7 +26,7 @@ from shmcache import (
     ReservationLost,
     ViewMutated,
 )
-from shmcache.namespace import list_namespaces, object_names
+from shmcache.kernel.namespace import list_namespaces, object_names
 from tests.helpers import kernel_objects, sealed_slot, wait_for
 
 
@@ -278,7 +278,7 @@ def test_corrupt_slot_record_is_quarantined_not_served(
         settle()
         node = cache._node
         slot = sealed_slot(cache)
-        node.slots["offset"][slot] += 64  # a stray write into the index
+        node.slots.array["offset"][slot] += 64  # a stray write into the index
         assert cache.get(k) is None
         assert cache.stats()["corrupt_records"] == 1
         assert torch.equal(cache.get_or_compute(k, lambda: torch.full((8,), 2.0)), torch.full((8,), 2.0))
@@ -291,9 +291,9 @@ def test_corrupt_entry_bytes_are_a_miss(config: CacheConfig, pconfig: EncoderPre
         settle()
         node = cache._node
         slot = sealed_slot(cache)
-        offset = int(node.slots["offset"][slot])
+        offset = int(node.slots.array["offset"][slot])
         cache._segments.arena[offset + 20 : offset + 24] = b"\xff\xff\xff\xff"  # entry header: digest region
-        cache._local.clear()
+        cache._views.forget()
         assert cache.get(k) is None
         assert cache.stats()["corrupt_records"] >= 1
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from shmcache import CacheConfig, ComputeFailed, ComputeTimeout, EmbeddingCache
+from shmcache.testing import namespace_objects
 from tests import workers
 from tests.helpers import kernel_objects, kill, spawn, wait_for
 from tests.workers import expected_value, fingerprint, key_of
@@ -102,31 +103,6 @@ def test_compute_timeout_bounds_the_wait(config: CacheConfig, tmp_path: Path) ->
             assert cache.stats()["timeouts"] == 1
     finally:
         kill(owner)
-
-
-def test_death_inside_a_stripe_section_is_repaired(config: CacheConfig) -> None:
-    with EmbeddingCache(config) as cache:
-        cache.put(key_of("torn"), expected_value("torn"))
-        gc.collect()
-        victim = spawn(workers.die_inside_stripe_section, config, "torn")
-        victim.join(30)
-        assert victim.exitcode == -9
-        cache._local.clear()
-        assert cache.get(key_of("torn")) is None  # never the torn record's bytes
-        stats = cache.stats()
-        assert stats["repairs"] >= 1 and stats["corrupt_records"] >= 1
-        value = cache.get_or_compute(key_of("torn"), lambda: expected_value("torn"))
-        assert fingerprint(value) == fingerprint(expected_value("torn"))
-
-
-def test_death_inside_the_node_section_is_repaired(config: CacheConfig) -> None:
-    with EmbeddingCache(config) as cache:
-        victim = spawn(workers.die_inside_node_section, config)
-        victim.join(30)
-        assert victim.exitcode == -9
-        cache.put(key_of("after"), expected_value("after"))  # allocation takes the node lock
-        assert cache.stats()["repairs"] >= 1
-        assert cache.stats()["reaped_clients"] >= 1
 
 
 def test_dead_process_pins_and_refs_are_reaped(config: CacheConfig, tmp_path: Path) -> None:
@@ -222,29 +198,6 @@ def test_first_attacher_after_everyone_died_wipes_stale_objects(config: CacheCon
     assert kernel_objects() == before
 
 
-def test_creator_killed_mid_create_is_wiped_by_the_next_attacher(namespace: str) -> None:
-    before = kernel_objects()
-    huge = CacheConfig(enable_embedding_cache=True, namespace=namespace, capacity_bytes=6 << 30)
-    creator = spawn(workers.create_huge, huge)
-    index = Path(f"/dev/shm/shmcache.{os.geteuid()}.{namespace}.index")
-
-    def header_written() -> bool:
-        try:
-            return index.read_bytes()[:8] == b"SHMCIDX\x01"
-        except FileNotFoundError:
-            return False
-
-    wait_for(header_written, what="the creator to write its header")
-    kill(creator)  # while it reserves the 6 GiB arena: the namespace is half-created
-    left = kernel_objects() - before
-    assert any(o.startswith("sem:") for o in left)  # its semaphore set exists and is named in the header
-    small = CacheConfig(enable_embedding_cache=True, namespace=namespace, capacity_bytes=8 << 20)
-    with EmbeddingCache(small) as cache:
-        cache.put(key_of("after"), expected_value("after", 16))
-        assert not ({o for o in left if o.startswith("sem:")} & kernel_objects())  # the dead set was removed
-    assert kernel_objects() == before
-
-
 def test_a_never_written_index_is_stale_not_corrupt(namespace: str) -> None:
     index = Path(f"/dev/shm/shmcache.{os.geteuid()}.{namespace}.index")
     index.write_bytes(bytes(8192))  # a creator killed right after creating the file
@@ -262,12 +215,31 @@ def test_a_fenced_off_owner_releases_its_reservation(config: CacheConfig) -> Non
         res = cache.reserve(key_of("fenced"))
         assert res.owned
         node = cache._node
-        slot = res._slot
-        node.slots["offset"][slot] = 64  # damage the record: the next section quarantines it
+        slot = res.slot
+        node.slots.array["offset"][slot] = 64  # damage the record: the next section quarantines it
         with pytest.raises(ReservationLost):
             res.commit(expected_value("fenced", 16))
-        assert node._reservations == set()  # the semaphore was released, not kept by a live owner
+        assert node.reservations.held() == set()  # the semaphore was released, not kept by a live owner
         t0 = time.monotonic()
         value = cache.get_or_compute(key_of("fenced"), lambda: expected_value("fenced", 16))
         assert fingerprint(value) == fingerprint(expected_value("fenced", 16))
         assert time.monotonic() - t0 < 5
+
+
+def test_the_last_client_record_keeps_the_namespace_alive(config: CacheConfig, tmp_path: Path) -> None:
+    """A detaching process must see a live process in the last client record (it once dropped
+    that record from the check, and removed the namespace under it)."""
+    two = dataclasses.replace(config, max_clients=2)
+    first = EmbeddingCache(two)
+    ready = tmp_path / "ready"
+    second = spawn(workers.attach_and_die, two, str(ready))  # takes record 1, the last one
+    try:
+        wait_for(ready.exists, what="the second process to attach")
+        first.close()
+        assert namespace_objects(two.namespace), "the namespace was removed under a live process"
+        with EmbeddingCache(two) as third:
+            assert third.get(key_of("orphan")) is not None  # the second process's entry is still there
+    finally:
+        kill(second)
+    with EmbeddingCache(two):
+        pass  # the first attacher after everyone died wipes what the second left

@@ -1,12 +1,12 @@
 """GPU entries on a machine without a GPU: records, routes, exporter death and export bookkeeping.
 
-The CUDA copies themselves are checked by tests/test_gpu_cuda.py and tools/gpu_check.py on a GPU.
+IPC mappings and the aliases over them are in tests/test_gpu_mappings.py; the CUDA copies
+themselves are checked by tests/test_gpu_cuda.py and tools/gpu_check.py on a GPU.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import gc
 import json
 import struct
 import threading
@@ -15,35 +15,41 @@ from importlib import resources
 from pathlib import Path
 
 import jsonschema
-import numpy as np
 import pytest
 import torch
 
-from shmcache import CacheConfig, EmbeddingCache, InvalidConfig, values
-from shmcache import device as device_module
-from shmcache.entry import ENTRY_HEADER_SIZE
-from shmcache.errors import CudaError
-from shmcache.gpu import DeviceMappings, ExporterId, Exports, GpuRecord, ReaderDevice, Route, choose_route
-from shmcache.inspect import render
-from shmcache.node import needle_of
-from shmcache.snapshot import take_snapshot
+from shmcache import CacheConfig, EmbeddingCache, InvalidConfig
+from shmcache.format import decode, values
+from shmcache.gpu import side as side_module
+from shmcache.gpu.exports import Exports
+from shmcache.gpu.record import GpuRecord, live_mask, withdraw_record
+from shmcache.gpu.route import ReaderDevice, Route, choose_route
+from shmcache.node.clients import ClientIdentity
+from shmcache.node.layout import ATTACHMENT_SIZE, needle_of
+from shmcache.node.slots import SealedEntry
+from shmcache.ops.inspect import render
+from shmcache.ops.snapshot import take_snapshot
 from tests import workers
 from tests.helpers import kill, spawn, wait_for
 from tests.workers import FAKE_GPU_UUID, FAKE_IPC_HANDLE, expected_value, fingerprint, key_of
 
 OTHER_UUID = bytes(range(16, 32))
-RECORD = GpuRecord(7, ExporterId(3, 4242, 99), 1, 512, 8 << 20, FAKE_GPU_UUID, FAKE_IPC_HANDLE)
+RECORD = GpuRecord(7, ClientIdentity(3, 4242, 99), 1, 512, 8 << 20, FAKE_GPU_UUID, FAKE_IPC_HANDLE)
 
 
 def test_record_round_trips_and_a_torn_record_reads_as_none() -> None:
     raw = RECORD.pack()
+    assert len(raw) == ATTACHMENT_SIZE and struct.unpack_from("<Q", raw)[0] == RECORD.gen
     assert GpuRecord.unpack(raw) == RECORD
+    assert GpuRecord.from_attachment(raw) == RECORD
+    assert GpuRecord.from_attachment(None) is None  # the entry has no attachment
     assert GpuRecord.unpack(RECORD.withdraw().pack()) == dataclasses.replace(RECORD, withdrawn=True)
     for at in (0, 20, 60, 120):  # any flipped byte fails the crc
         torn = bytearray(raw)
         torn[at] ^= 0xFF
         assert GpuRecord.unpack(bytes(torn)) is None
     assert GpuRecord.unpack(bytes(len(raw))) is None  # never written
+    assert GpuRecord.from_attachment(bytes(len(raw))) is None
 
 
 def _reader(ordinal: int = 0) -> ReaderDevice:
@@ -74,7 +80,7 @@ def test_route_table(
     )
 
 
-def _slot_info(cache: EmbeddingCache, name: str):  # type: ignore[no-untyped-def]
+def _slot_info(cache: EmbeddingCache, name: str) -> SealedEntry:
     info = cache._node.lookup(needle_of(key_of(name)), pins=0)
     assert info is not None
     return info
@@ -91,9 +97,10 @@ def test_exporter_death_falls_back_to_the_host_copy_and_the_entry_survives(
         row, pid, ticks = map(int, ready.read_text().split())
         with EmbeddingCache(config) as cache:
             info = _slot_info(cache, "gpu-frame")
-            assert info.gpu is not None
-            assert info.gpu.exporter == ExporterId(row, pid, ticks) and pid == exporter.pid
-            assert (info.gpu.handle, info.gpu.offset, info.gpu.gen) == (FAKE_IPC_HANDLE, 4096, info.gen)
+            record = GpuRecord.from_attachment(info.attachment)
+            assert record is not None
+            assert record.exporter == ClientIdentity(row, pid, ticks) and pid == exporter.pid
+            assert (record.handle, record.offset, record.gen) == (FAKE_IPC_HANDLE, 4096, info.gen)
             side = cache._device
             assert side.reader() is None  # this process never initialised CUDA: it reads host copies
             monkeypatch.setattr(side, "reader", lambda: _reader(0))  # as if it ran on the exporter's GPU
@@ -105,10 +112,10 @@ def test_exporter_death_falls_back_to_the_host_copy_and_the_entry_survives(
                 "exporter_pid": pid,
                 "exporter_alive": True,
                 "withdrawn": False,
-                "bytes": info.gpu.nbytes,
+                "bytes": record.nbytes,
             }
             assert f"pid {pid}" in render(snap) and f"pid {pid} DEAD" not in render(snap)
-            schema = json.loads(resources.files("shmcache").joinpath("inspect_schema.json").read_text())
+            schema = json.loads(resources.files("shmcache.ops").joinpath("inspect_schema.json").read_text())
             jsonschema.validate(json.loads(json.dumps(snap.to_json())), schema)
 
             kill(exporter)
@@ -119,7 +126,7 @@ def test_exporter_death_falls_back_to_the_host_copy_and_the_entry_survives(
             value = cache.get(key_of("gpu-frame"))  # the entry survives its exporter
             assert isinstance(value, torch.Tensor) and value.device.type == "cpu"
             assert fingerprint(value) == fingerprint(expected_value("gpu-frame"))
-            assert cache._local[needle_of(key_of("gpu-frame"))].parsed.on_device  # through DeviceSide
+            assert cache._views._local[needle_of(key_of("gpu-frame"))].parsed.on_device  # through DeviceSide
             again = cache.get(key_of("gpu-frame"))  # a repeat hit on the held view
             assert again is not None and again.data_ptr() == value.data_ptr()
             stats = cache.stats()
@@ -137,7 +144,7 @@ def test_a_reused_client_row_is_not_the_dead_exporter(config: CacheConfig, tmp_p
         _sealed_by_a_killed_exporter(config, tmp_path)
         assert keeper.gc() == 1  # the dead exporter's row is free again
         with EmbeddingCache(config) as cache:  # and the next process to attach takes it
-            record = _slot_info(cache, "gpu-frame").gpu
+            record = GpuRecord.from_attachment(_slot_info(cache, "gpu-frame").attachment)
             assert record is not None
             assert cache._node.client == record.exporter.row != keeper._node.client
             assert cache._node.identity != record.exporter  # same row, another pid or start time
@@ -159,17 +166,21 @@ def test_records_of_earlier_generations_are_ignored(config: CacheConfig, tmp_pat
         _sealed_by_a_killed_exporter(config, tmp_path)
         node = cache._node
         info = _slot_info(cache, "gpu-frame")
-        assert node.gpu_record(info.slot, info.gen) is not None
-        assert node.gpu_record(info.slot, info.gen + 1) is None
-        assert node.withdraw_gpu(info.slot, info.gen)
-        withdrawn = node.gpu_record(info.slot, info.gen)
+        assert GpuRecord.from_attachment(node.attachment(info.slot, info.gen)) is not None
+        assert GpuRecord.from_attachment(node.attachment(info.slot, info.gen + 1)) is None
+        assert live_mask(node)[info.slot] and int(live_mask(node).sum()) == 1
+        assert not withdraw_record(node, info.slot, info.gen + 1)  # no record of that generation
+        assert withdraw_record(node, info.slot, info.gen)
+        withdrawn = GpuRecord.from_attachment(node.attachment(info.slot, info.gen))
         assert withdrawn is not None and withdrawn.withdrawn
+        assert not live_mask(node).any()
         assert cache.stats()["gpu_entries"] == 0
         assert "withdrawn" in render(take_snapshot(config.namespace))
         node.drop(info.slot, info.gen)  # the slot's next generation is a CPU entry
         cache.put(key_of("gpu-frame"), expected_value("gpu-frame"))
         again = _slot_info(cache, "gpu-frame")
-        assert again.gen > info.gen and again.gpu is None
+        assert again.gen > info.gen and GpuRecord.from_attachment(again.attachment) is None
+        assert not live_mask(node).any()
 
 
 def test_exports_are_freed_when_their_entry_leaves_and_withdrawn_lru_first(config: CacheConfig) -> None:
@@ -196,12 +207,12 @@ def test_exports_are_freed_when_their_entry_leaves_and_withdrawn_lru_first(confi
         assert exports.to_withdraw(500, state) == [found["c"], found["a"]]
         assert exports.to_withdraw(2500, state) == []  # no room even without c and a: keep them all
         assert exports.to_withdraw(3001, state) == []  # over the limit on its own: never exported
-        node.unpin(*found["b"], 1)
+        node.release([found["b"]])
         assert exports.sweep(node.entry_state) == 0  # ... it is neither withdrawn nor freed
         exports.mark_withdrawn(slots["b"].slot, slots["b"].gen)
         assert node.add_ref(slots["b"].slot, slots["b"].gen)  # a reader still holds b
         assert exports.sweep(node.entry_state) == 0
-        node.unpin(slots["b"].slot, slots["b"].gen, 1)
+        node.release([found["b"]])
         assert exports.sweep(node.entry_state) == 1  # withdrawn and unreferenced
         node.drop(slots["c"].slot, slots["c"].gen)  # evicted
         assert exports.sweep(node.entry_state) == 1
@@ -228,12 +239,12 @@ def _as_device_born(encoded: bytes, lib: int) -> bytes:
 def test_device_born_values_read_back_on_the_host_as_their_cpu_twin() -> None:
     tensor = torch.randn(3, 5).to(torch.bfloat16)
     encoded = _as_device_born(values.encode(tensor), 3)
-    assert values.parse(memoryview(encoded)).on_device
-    back = values.decode(encoded)
+    assert decode.parse(memoryview(encoded)).on_device
+    back = decode.decode(encoded)
     assert isinstance(back, torch.Tensor) and back.dtype == torch.bfloat16
     assert torch.equal(back.view(torch.int16), tensor.view(torch.int16))
     array = torch.arange(6, dtype=torch.float16).numpy()
-    host = values.decode(_as_device_born(values.encode(array), 4))
+    host = decode.decode(_as_device_born(values.encode(array), 4))
     assert host.dtype == array.dtype and bytes(host) == bytes(array)
     assert struct.unpack_from("<B", values.encode(tensor), 32)[0] == 1
 
@@ -243,39 +254,6 @@ def test_gpu_settings_are_validated() -> None:
         CacheConfig(gpu_reads="device")  # type: ignore[arg-type]
     with pytest.raises(InvalidConfig, match="gpu_export_bytes"):
         CacheConfig(gpu_export_bytes=-1)
-
-
-class _RecordingDriver:
-    """Stands in for the CUDA driver's open and close of IPC handles (no GPU on this machine)."""
-
-    def __init__(self) -> None:
-        self.opened: list[bytes] = []
-        self.closed: list[int] = []
-
-    def open(self, handle: bytes, ordinal: int) -> int:
-        self.opened.append(handle)
-        return 0x7000_0000 + 0x100_0000 * len(self.opened)
-
-    def close(self, base: int, ordinal: int) -> None:
-        self.closed.append(base)
-
-
-def test_each_handle_is_opened_once_while_views_live_and_closed_at_the_last() -> None:
-    driver = _RecordingDriver()
-    mappings = DeviceMappings(driver)  # type: ignore[arg-type]
-    one, two = ExporterId(1, 100, 1), ExporterId(2, 200, 2)
-    base = mappings.acquire(one, b"h1", 0)
-    assert mappings.acquire(one, b"h1", 0) == base  # a second entry in the same allocation
-    other = mappings.acquire(two, b"h1", 0)  # same handle bytes, another exporter: its own mapping
-    assert driver.opened == [b"h1", b"h1"] and other != base
-    mappings.release(one, b"h1")
-    assert driver.closed == [] and len(mappings) == 2  # one view of `base` is still alive
-    mappings.release(one, b"h1")
-    assert driver.closed == [base] and len(mappings) == 1  # never left open idle
-    assert mappings.acquire(one, b"h1", 0) != base and len(driver.opened) == 3  # opened anew
-    mappings.release(one, b"h1")
-    mappings.release(two, b"h1")
-    assert len(driver.closed) == 3 and len(mappings) == 0
 
 
 def test_a_closing_exporter_withdraws_and_waits_for_its_readers(
@@ -289,16 +267,16 @@ def test_a_closing_exporter_withdraws_and_waits_for_its_readers(
     reader = spawn(workers.hold_view_and_ref, config, "held", str(ready))
     try:
         wait_for(ready.exists, what="the reader's view")
-        kept = len(device_module._KEPT_UNTIL_EXIT)
+        kept = len(side_module._KEPT_UNTIL_EXIT)
         started = time.monotonic()
         exporter.close()  # "free" is released at once; "held" is waited for, then warned about
         assert 1.5 < time.monotonic() - started < 10
         assert "still reference 1 GPU entries" in caplog.text
         with EmbeddingCache(config) as cache:
-            records = [_slot_info(cache, name).gpu for name in ("held", "free")]
+            records = [GpuRecord.from_attachment(_slot_info(cache, n).attachment) for n in ("held", "free")]
             assert all(record is not None and record.withdrawn for record in records)
         assert exporter._device.exports.exported() == []
-        assert len(device_module._KEPT_UNTIL_EXIT) == kept + 1  # "held" lives until this process exits
+        assert len(side_module._KEPT_UNTIL_EXIT) == kept + 1  # "held" lives until this process exits
     finally:
         kill(reader)
 
@@ -317,68 +295,23 @@ def test_a_closing_exporter_counts_its_own_references_as_they_are_now(
         wait_for(ready.exists, what="the reader's view")
         info = _slot_info(exporter, "held")
         assert exporter._node.add_ref(info.slot, info.gen)  # our own view, still alive at close
-        kept = len(device_module._KEPT_UNTIL_EXIT)
+        kept = len(side_module._KEPT_UNTIL_EXIT)
         closing = threading.Thread(target=exporter._device.close, kwargs={"wait_s": 1.0})
         closing.start()
         wait_for(lambda: _withdrawn(exporter, info), what="close's withdrawal")  # it counts and waits now
         time.sleep(0.1)
-        exporter._node.unpin(info.slot, info.gen, 1)  # our view goes while close waits
+        exporter._node.release([(info.slot, info.gen)])  # our view goes while close waits
         closing.join()
         assert exporter._node.entry_state(info.slot, info.gen) == (True, 1)  # the reader's view
-        assert len(device_module._KEPT_UNTIL_EXIT) == kept + 1  # so its device copy was not freed
+        assert len(side_module._KEPT_UNTIL_EXIT) == kept + 1  # so its device copy was not freed
         exporter.close()
     finally:
         kill(reader)
 
 
-def _withdrawn(cache: EmbeddingCache, info) -> bool:  # type: ignore[no-untyped-def]
-    record = cache._node.gpu_record(info.slot, info.gen)
+def _withdrawn(cache: EmbeddingCache, info: SealedEntry) -> bool:
+    record = GpuRecord.from_attachment(cache._node.attachment(info.slot, info.gen))
     return record is not None and record.withdrawn
-
-
-class _Event:
-    """Stands in for a CUDA event recorded after an alias's last use."""
-
-    def __init__(self, order: list[str], name: str, broken: bool = False) -> None:
-        self.order, self.name, self.broken = order, name, broken
-
-    def synchronize(self) -> None:
-        if self.broken:
-            raise RuntimeError("lost event")
-        self.order.append(self.name)
-
-
-def _no_event() -> None:
-    raise RuntimeError("no CUDA event")
-
-
-def test_released_aliases_are_settled_before_their_pins_go(
-    config: CacheConfig, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Every fence is waited for (the whole device where an event is missing or broken) and every
-    mapping view given back before the view pins of the batch are dropped."""
-    with EmbeddingCache(config) as cache:
-        cache.put(key_of("v"), expected_value("v"))
-        order: list[str] = []
-        side, unpin = cache._device, cache._node.unpin_many
-        driver = _RecordingDriver()
-        side._mappings = DeviceMappings(driver)  # type: ignore[arg-type]
-        monkeypatch.setattr(torch.cuda, "synchronize", lambda device: order.append(f"device {device}"))
-        monkeypatch.setattr(torch.cuda, "Event", _no_event)
-        monkeypatch.setattr(driver, "close", lambda base, ordinal: order.append("unmap"))
-        monkeypatch.setattr(cache._node, "unpin_many", lambda pins: (order.append("unpin"), unpin(pins))[1])
-        view = cache.get(key_of("v"))
-        assert view is not None and cache.stats()["references"] == 1
-        exporter = ExporterId(9, 99, 9)
-        for _ in range(3):
-            side._mappings.acquire(exporter, FAKE_IPC_HANDLE, 0)
-        side._released.append((0, _Event(order, "event"), exporter, FAKE_IPC_HANDLE))
-        side._released.append((1, _Event(order, "broken", broken=True), exporter, FAKE_IPC_HANDLE))
-        side._released_alias(2, exporter, FAKE_IPC_HANDLE)  # its event cannot be made
-        del view
-        cache.flush_releases()
-        assert order == ["event", "device 1", "device 2", "unmap", "unpin"]
-        assert cache.stats()["references"] == 0 and len(side._mappings) == 0
 
 
 def test_a_closing_process_does_not_wait_for_its_own_references(config: CacheConfig) -> None:
@@ -389,89 +322,3 @@ def test_a_closing_process_does_not_wait_for_its_own_references(config: CacheCon
     cache._device.close()
     assert time.monotonic() - started < 1.0 and cache._device.exports.exported() == []
     cache.close()
-
-
-class _HostTwin:
-    """What the patched `torch.as_tensor` below wraps a CUDA array interface in: host bytes whose
-    tensor keeps the interface alive, as torch keeps it alive for a CUDA tensor made from it."""
-
-    def __init__(self, interface: object) -> None:
-        self.interface = interface
-        nbytes = interface.__cuda_array_interface__["shape"][0]  # type: ignore[attr-defined]
-        self.buffer = np.zeros(nbytes, np.uint8)
-        self.__array_interface__ = self.buffer.__array_interface__
-
-
-@pytest.fixture
-def mapping_side(config: CacheConfig, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
-    """A cache's GPU side reading another exporter's entries, CUDA stood in for on the host:
-    tensors "made from" IPC mappings are host tensors that keep their interface objects alive."""
-    made: list[int] = []
-
-    def as_tensor(interface: object, device: object = None) -> torch.Tensor:
-        made.append(1)
-        if len(made) == fail_at[0]:
-            raise RuntimeError("no memory for the view")
-        return torch.from_numpy(np.asarray(_HostTwin(interface)))
-
-    fail_at = [0]
-    monkeypatch.setattr(torch, "as_tensor", as_tensor)
-    monkeypatch.setattr(torch.cuda, "Event", _no_event)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: torch.cuda.Stream)
-    monkeypatch.setattr(torch.cuda.Stream, "synchronize", staticmethod(lambda: None), raising=False)
-    with EmbeddingCache(config) as cache:
-        side = cache._device
-        driver = _RecordingDriver()
-        side._mappings = DeviceMappings(driver)  # type: ignore[arg-type]
-        monkeypatch.setattr(side, "exporter_alive", lambda record: True)
-        yield side, driver, fail_at
-
-
-def _from_mapping(side, value: values.Value, route: Route, copy: bool):  # type: ignore[no-untyped-def]
-    encoded = values.encode(value)
-    parsed = values.parse(memoryview(encoded))
-    parsed = dataclasses.replace(parsed, arrays=tuple(dataclasses.replace(a, lib=3) for a in parsed.arrays))
-    holder = np.frombuffer(bytes(ENTRY_HEADER_SIZE) + encoded, np.uint8)
-    record = GpuRecord(1, ExporterId(9, 99, 9), 0, 0, len(encoded), FAKE_GPU_UUID, FAKE_IPC_HANDLE)
-    reader = ReaderDevice(0, FAKE_GPU_UUID, {FAKE_GPU_UUID: 0})
-    return side._from_mapping(holder, 0, record, parsed, reader, route, copy)
-
-
-def test_every_alias_holds_one_mapping_view_until_it_is_settled(mapping_side) -> None:  # type: ignore[no-untyped-def]
-    side, driver, _fail_at = mapping_side
-    value = _from_mapping(side, {"a": torch.ones(8), "b": torch.zeros(4)}, Route.ALIAS, copy=False)
-    assert set(value) == {"a", "b"} and driver.opened == [FAKE_IPC_HANDLE]
-    (opened,) = side._mappings._opened.values()
-    assert opened.views == 2 and driver.closed == []  # one per alias; the build's own is given back
-    del value
-    assert len(side._released) == 2 and driver.closed == []  # queued, not yet settled
-    side.settle()
-    assert driver.closed == [opened.base] and len(side._mappings) == 0
-
-
-def test_copies_out_of_a_mapping_give_it_back_at_once(mapping_side) -> None:  # type: ignore[no-untyped-def]
-    side, driver, _fail_at = mapping_side
-    value = _from_mapping(side, {"a": torch.ones(8), "b": torch.zeros(4)}, Route.ALIAS, copy=True)
-    assert len(driver.closed) == 1 and len(side._mappings) == 0 and not side._released
-    del value
-
-
-def test_a_failed_build_gives_every_mapping_view_back(mapping_side) -> None:  # type: ignore[no-untyped-def]
-    side, driver, fail_at = mapping_side
-    fail_at[0] = 2  # the second array's tensor cannot be made
-    with pytest.raises(RuntimeError, match="no memory"):
-        _from_mapping(side, {"a": torch.ones(8), "b": torch.zeros(4)}, Route.ALIAS, copy=False)
-    gc.collect()  # the first array's alias died with the traceback
-    side.settle()
-    assert len(driver.closed) == 1 and len(side._mappings) == 0
-
-
-def test_an_exporter_dead_after_the_route_was_chosen_gets_no_alias(
-    mapping_side, monkeypatch: pytest.MonkeyPatch
-) -> None:  # type: ignore[no-untyped-def]
-    side, driver, _fail_at = mapping_side
-    monkeypatch.setattr(side, "exporter_alive", lambda record: False)
-    with pytest.raises(CudaError, match="died"):
-        _from_mapping(side, torch.ones(8), Route.ALIAS, copy=False)
-    assert len(driver.closed) == 1 and len(side._mappings) == 0 and not side._released

@@ -8,14 +8,14 @@ import subprocess
 import sys
 import time
 import urllib.request
-from importlib import resources
 
 import jsonschema
 import pytest
 import torch
 
 from shmcache import CacheConfig, EmbeddingCache
-from shmcache.inspect import main as inspect_main
+from shmcache.ops.inspect import main as inspect_main
+from shmcache.ops.snapshot import json_schema
 from shmcache.testing import ProcessPool
 from tests.workers import expected_value, key_of
 
@@ -46,9 +46,7 @@ def test_show_lists_entries_references_and_holders(
         code, out, _ = run_inspect(capsys, "show", shmcache_config.namespace, "--json")
         assert code == 0
         snap = json.loads(out)
-        jsonschema.validate(
-            snap, json.loads(resources.files("shmcache").joinpath("inspect_schema.json").read_text())
-        )
+        jsonschema.validate(snap, json_schema())
         by_key = {e["key"]: e for e in snap["entries"]}
         a, b = by_key[key_of("a").hex[:16]], by_key[key_of("b").hex[:16]]
         assert a["references"] == 2 and a["holder_pids"] == [holder.pid]  # its view pin and its request ref
@@ -115,6 +113,20 @@ def test_read_only_commands_do_not_change_the_cache(
         ):
             assert run_inspect(capsys, *args)[0] == 0
         assert bytes(cache._segments.index) == before
+
+
+def test_a_snapshot_keeps_no_mapping_of_the_index(shmcache_config: CacheConfig) -> None:
+    from shmcache.ops.snapshot import take_snapshot
+
+    def index_mappings() -> int:
+        with open("/proc/self/maps") as f:
+            return sum(f"{shmcache_config.namespace}.index" in line for line in f)
+
+    with EmbeddingCache(shmcache_config) as cache:
+        cache.put(key_of("x"), expected_value("x", 10))
+        before = index_mappings()
+        snap = take_snapshot(shmcache_config.namespace)
+        assert index_mappings() == before and snap.stats["entries"] == 1
 
 
 def test_unknown_namespace_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
@@ -184,7 +196,7 @@ def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 def test_collector_inside_a_process(shmcache_config: CacheConfig) -> None:
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from shmcache.metrics import ShmCacheCollector
+    from shmcache.ops.metrics import ShmCacheCollector
 
     with EmbeddingCache(shmcache_config) as cache:
         cache.put(key_of("c"), expected_value("c", 8))

@@ -14,14 +14,14 @@ import pytest
 import torch
 
 from shmcache import ConfigTypeError, EmbeddingCacheKey, EncoderPreprocessingConfig, InvalidConfig, InvalidKey
-from shmcache.framing import frame
-from shmcache.keys import HASH_ALGORITHMS, MODALITIES
-from tests.conftest import make_pconfig
+from shmcache.keys.framing import frame
+from shmcache.keys.key import HASH_ALGORITHMS, MODALITIES
+from shmcache.testing import sample_preprocessing
 
 
 def all_key_hexes() -> list[str]:
     """Keys for every modality, both key modes, token prefixes and every algorithm."""
-    config = make_pconfig()
+    config = sample_preprocessing()
     tensor = torch.arange(24, dtype=torch.float32).reshape(2, 3, 4).to(torch.bfloat16)
     out = []
     for algorithm in HASH_ALGORITHMS:
@@ -89,7 +89,7 @@ def _changed(value: object) -> object:
 
 @pytest.mark.parametrize("field", [f.name for f in dataclasses.fields(EncoderPreprocessingConfig)])
 def test_each_config_field_changes_every_kind_of_key(field: str) -> None:
-    base = make_pconfig()
+    base = sample_preprocessing()
     other = dataclasses.replace(base, **{field: _changed(getattr(base, field))})
     tensor = torch.ones(4, 4)
     assert EmbeddingCacheKey.from_raw_bytes(
@@ -132,13 +132,13 @@ def test_framing_separates_sequences_that_collide_when_concatenated() -> None:
 
 
 def test_config_fields_that_concatenate_alike_give_different_keys() -> None:
-    a = make_pconfig(model_id="ab", model_revision="c")
-    b = make_pconfig(model_id="a", model_revision="bc")
+    a = sample_preprocessing(model_id="ab", model_revision="c")
+    b = sample_preprocessing(model_id="a", model_revision="bc")
     assert EmbeddingCacheKey.from_raw_bytes(b"x", a, modality="image") != EmbeddingCacheKey.from_raw_bytes(
         b"x", b, modality="image"
     )
-    flat = make_pconfig(image_size=(448, 448), normalize_mean=(0.5,))
-    moved = make_pconfig(image_size=(448,), normalize_mean=(448.0, 0.5))
+    flat = sample_preprocessing(image_size=(448, 448), normalize_mean=(0.5,))
+    moved = sample_preprocessing(image_size=(448,), normalize_mean=(448.0, 0.5))
     assert EmbeddingCacheKey.from_raw_bytes(b"x", flat, modality="image") != EmbeddingCacheKey.from_raw_bytes(
         b"x", moved, modality="image"
     )
@@ -146,8 +146,8 @@ def test_config_fields_that_concatenate_alike_give_different_keys() -> None:
 
 def test_content_and_config_boundary_is_framed() -> None:
     # the same bytes moved between a config field and the content must not collide
-    a = make_pconfig(input_dtype="float16")
-    b = make_pconfig(input_dtype="float1")
+    a = sample_preprocessing(input_dtype="float16")
+    b = sample_preprocessing(input_dtype="float1")
     assert EmbeddingCacheKey.from_raw_bytes(b"6img", b, modality="image") != EmbeddingCacheKey.from_raw_bytes(
         b"img", a, modality="image"
     )
@@ -218,7 +218,7 @@ def test_token_prefix_chain(pconfig: EncoderPreprocessingConfig) -> None:
     assert EmbeddingCacheKey.from_token_prefix(
         [4, 5], pconfig, parent=b""
     ) != EmbeddingCacheKey.from_token_prefix([4, 5], pconfig)
-    codec_changed = make_pconfig(audio_codec_version="v2")
+    codec_changed = sample_preprocessing(audio_codec_version="v2")
     assert EmbeddingCacheKey.from_token_prefix([1, 2, 3], codec_changed) != first
     with pytest.raises(TypeError):
         EmbeddingCacheKey.from_token_prefix([1.5], pconfig)  # type: ignore[list-item]
@@ -237,18 +237,18 @@ def test_keys_compare_hash_pickle_and_are_immutable(pconfig: EncoderPreprocessin
 
 def test_preprocessing_config_validation() -> None:
     with pytest.raises(ConfigTypeError, match="image_size"):
-        make_pconfig(image_size="448")
+        sample_preprocessing(image_size="448")
     with pytest.raises(ConfigTypeError, match="audio_sample_rate"):
-        make_pconfig(audio_sample_rate=True)
+        sample_preprocessing(audio_sample_rate=True)
     with pytest.raises(ConfigTypeError, match="model_id"):
-        make_pconfig(model_id=None)
+        sample_preprocessing(model_id=None)
     with pytest.raises(ConfigTypeError, match="image_size"):
-        make_pconfig(image_size=(448.0, 448))
+        sample_preprocessing(image_size=(448.0, 448))
     with pytest.raises(InvalidConfig, match="normalize_std"):
-        make_pconfig(normalize_std=(float("inf"),))
-    normalised = make_pconfig(image_size=[448, 448], normalize_mean=[0, 1])
+        sample_preprocessing(normalize_std=(float("inf"),))
+    normalised = sample_preprocessing(image_size=[448, 448], normalize_mean=[0, 1])
     assert normalised.image_size == (448, 448) and normalised.normalize_mean == (0.0, 1.0)
-    assert normalised == make_pconfig(image_size=(448, 448), normalize_mean=(0.0, 1.0))
+    assert normalised == sample_preprocessing(image_size=(448, 448), normalize_mean=(0.0, 1.0))
     assert pickle.loads(pickle.dumps(normalised)) == normalised
     with pytest.raises(dataclasses.FrozenInstanceError):
         normalised.model_id = "other"  # type: ignore[misc]

@@ -10,19 +10,12 @@ import time
 
 import torch
 
-from shmcache import EmbeddingCacheKey, EncoderPreprocessingConfig
-from shmcache.testing import checkpoint
-
-CONFIG = EncoderPreprocessingConfig(
-    cache_schema_version=1, model_id="m", model_revision="r", encoder_config_hash="h",
-    processor_version="p", resize_mode="bicubic", image_size=(224, 224), crop_mode="center",
-    normalize_mean=(0.5,), normalize_std=(0.5,), audio_sample_rate=0, audio_codec_version="",
-    audio_codec_config_hash="", video_frame_stride=0, input_dtype="float32",
-)
+from shmcache import EmbeddingCacheKey
+from shmcache.testing import checkpoint, sample_preprocessing
 
 
 def key(name):
-    return EmbeddingCacheKey.from_raw_bytes(name.encode(), CONFIG, modality="image")
+    return EmbeddingCacheKey.from_raw_bytes(name.encode(), sample_preprocessing(), modality="image")
 
 
 def encode(cache, name):

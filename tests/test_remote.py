@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from shmcache import CacheConfig, EmbeddingCache, destroy_namespace
-from shmcache.remote import RemoteStore, RemoteUnavailable, free_port, remote_key
+from shmcache.errors import RemoteUnavailable
+from shmcache.remote.store import RemoteStore, free_port, remote_key
 from shmcache.testing import MooncakeMaster, ProcessPool
 from tests.helpers import wait_for
 from tests.workers import expected_value, fingerprint, key_of
@@ -102,7 +103,8 @@ def test_a_full_publish_queue_is_counted_as_drops(
 
     config = remote_config(shmcache_namespace, shmcache_mooncake.address, remote_publish_queue=1)
     with EmbeddingCache(config) as cache:
-        remote = cache._remote
+        assert cache._bridge is not None
+        remote = cache._bridge.store
         assert remote is not None and remote.available
         busy = threading.Event()
         for _ in range(2):  # occupy both publisher threads, as two slow transfers would

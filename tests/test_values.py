@@ -12,8 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shmcache import CorruptValue, HiddenStatePrefix, UnsupportedValue
-from shmcache.dtypes import _torch_dtypes
-from shmcache.values import ALIGNMENT, decode, encode, plan
+from shmcache.format.decode import decode
+from shmcache.format.values import ALIGNMENT, encode, plan
+from shmcache.keys.dtypes import _torch_dtypes
 
 
 def _bits(t: torch.Tensor) -> bytes:
@@ -48,7 +49,7 @@ def test_shell_dtypes_are_rejected_not_pickled() -> None:
         if dtype is None:
             continue
         with pytest.raises(UnsupportedValue):
-            from shmcache.dtypes import torch_dtype_name
+            from shmcache.keys.dtypes import torch_dtype_name
 
             torch_dtype_name(dtype)
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import threading
 import time
 from pathlib import Path
@@ -13,11 +12,11 @@ from typing import Any
 import torch
 
 from shmcache import CacheConfig, EmbeddingCache, EmbeddingCacheKey
-from tests.conftest import make_pconfig
+from shmcache.testing import sample_preprocessing
 
 
 def key_of(name: str) -> EmbeddingCacheKey:
-    return EmbeddingCacheKey.from_raw_bytes(name.encode(), make_pconfig(), modality="image")
+    return EmbeddingCacheKey.from_raw_bytes(name.encode(), sample_preprocessing(), modality="image")
 
 
 def expected_value(name: str, numel: int = 4096) -> torch.Tensor:
@@ -114,25 +113,19 @@ def hold_view_and_ref(config: CacheConfig, name: str, ready: str, request_id: st
     time.sleep(3600)
 
 
-def die_inside_stripe_section(config: CacheConfig, name: str) -> None:
-    """Enter the key's stripe section, tear its sealed slot record, and SIGKILL ourselves."""
+def crash_at(config: CacheConfig, point: str) -> None:
+    """Arm crash point `point`, then run a workload that passes every point of the table: attach
+    (create, reap), put, a pinned get, cleanup, close. Returns only if `point` was never reached."""
+    from shmcache.node import crashpoints
+
+    crashpoints.arm(crashpoints.CrashPoint(point))
     cache = EmbeddingCache(config)
-    node = cache._node
-    from shmcache.node import needle_of
-
-    needle = needle_of(key_of(name))
-    stripe = node.stripe_of(needle)
-    section = node.stripe_section(stripe)
-    section.__enter__()
-    slot = next(node._find(stripe, needle))
-    node.slots["offset"][slot] = 4096  # a half-done update: the crc no longer matches
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
-def die_inside_node_section(config: CacheConfig) -> None:
-    cache = EmbeddingCache(config)
-    cache._node.node_section().__enter__()
-    os.kill(os.getpid(), signal.SIGKILL)
+    cache.put(key_of("a"), expected_value("a"))
+    view = cache.get(key_of("a"), request_id="r")
+    assert view is not None
+    cache.cleanup_request("r")
+    del view
+    cache.close()
 
 
 def attach_and_report(config: CacheConfig, start: Any, results: Any) -> None:
@@ -152,16 +145,6 @@ def attach_and_die(config: CacheConfig, ready: str) -> None:
     time.sleep(3600)
 
 
-def create_huge(config: CacheConfig) -> None:
-    """Create a namespace whose arena reservation takes seconds (the parent SIGKILLs us midway)."""
-    from shmcache.namespace import bootstrap_lock, create, object_names
-
-    names = object_names(config.namespace)
-    with bootstrap_lock(names, config.mode, 30.0):
-        create(names, config)
-    time.sleep(3600)
-
-
 FAKE_GPU_UUID = bytes(range(16))
 FAKE_IPC_HANDLE = b"\xab" * 64
 
@@ -170,14 +153,15 @@ def stand_in_gpu_export(cache: EmbeddingCache) -> None:
     """Make `cache` export like a GPU producer on this GPU-less machine: its entries are stored as
     device-born values (what a CUDA put writes) and sealed with a record whose IPC handle is made
     up; a host tensor stands in for the exported device buffer."""
-    from shmcache.entry import ENTRY_HEADER_SIZE
-    from shmcache.gpu import GpuRecord
+    from shmcache.format.entry import ENTRY_HEADER_SIZE
+    from shmcache.gpu.record import GpuRecord
 
     side, identity = cache._device, cache._node.identity
     arena = memoryview(cache._segments.arena)
 
     def export(encoded: Any, slot: int, gen: int) -> GpuRecord:
-        first_lib = cache._node.slot_fields(slot)[3] + ENTRY_HEADER_SIZE + 32  # first array's descriptor
+        offset = cache._node.slots.raw(slot)[0].offset  # our reservation's extent, set before the write
+        first_lib = offset + ENTRY_HEADER_SIZE + 32  # the first array's descriptor
         assert arena[first_lib] == 1  # a CPU torch tensor ...
         arena[first_lib] = 3  # ... stored as the CUDA tensor it stands for
         side.exports.add(slot, gen, torch.empty(encoded.total_len, dtype=torch.uint8))
@@ -199,7 +183,7 @@ def fake_gpu_exporter(config: CacheConfig, name: str, ready: str) -> None:
 def churn_refs(config: CacheConfig, name: str, ready: str, stop: str) -> None:
     """Take and drop references on `name` in a tight loop (each rewrites its slot record), from
     the file `ready` on until the file `stop` exists."""
-    from shmcache.node import needle_of
+    from shmcache.node.layout import needle_of
 
     with EmbeddingCache(config) as cache:
         node = cache._node
@@ -209,4 +193,4 @@ def churn_refs(config: CacheConfig, name: str, ready: str, stop: str) -> None:
         while not Path(stop).exists():
             for _ in range(200):
                 assert node.add_ref(info.slot, info.gen)
-                node.unpin(info.slot, info.gen, 1)
+                node.release([(info.slot, info.gen)])

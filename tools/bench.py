@@ -10,7 +10,8 @@ producing the value). After a warm-up pass, each process measures its own reques
 system: hit p50/p99, miss p50, encoder forwards, node memory, requests/s, and ratios against
 shmcache: a markdown table, a JSON file and a PNG plot in --out.
 Redis (`redis-server`, Debian) and Mooncake (`shmcache[mooncake]`) are started and stopped here on
-127.0.0.1; a system whose server is not installed is reported as skipped.
+127.0.0.1; a system whose server is not installed is reported as skipped. Each system's client and
+servers are in tools/bench_backends.py.
 """
 
 from __future__ import annotations
@@ -20,21 +21,19 @@ import json
 import multiprocessing as mp
 import os
 import random
-import shutil
 import signal
-import subprocess
 import time
 import uuid
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from tools.bench_backends import WIDTH, client_for, start_servers
+
 SYSTEMS = ("none", "lru", "redis", "mooncake", "shmcache", "shmcache+remote", "memcpy")
 FULL_SIZES = (1 << 10, 64 << 10, 1 << 20, 8 << 20, 64 << 20)
 QUICK_SIZES = (1 << 10, 64 << 10, 256 << 10)
-WIDTH = 256  # the encoder's output width (float32): rows = size / (4 * WIDTH)
 
 
 def _value_size(index: int, sizes: tuple[int, ...]) -> int:
@@ -58,172 +57,11 @@ def _forward(model: Any, index: int, nbytes: int) -> Any:
         return model(torch.randn(rows, WIDTH, generator=generator)).contiguous()
 
 
-class _Client:
-    """What a worker calls per request: returns (value, computed)."""
-
-    def get(self, index: int, compute: Any) -> tuple[Any, bool]:
-        raise NotImplementedError
-
-    def node_bytes(self) -> int:
-        return 0
-
-    def close(self) -> None:
-        pass
-
-
-class _NoCache(_Client):
-    def get(self, index: int, compute: Any) -> tuple[Any, bool]:
-        return compute(), True
-
-
-class _Lru(_Client):
-    """The RFC's design: a plain in-process LRU in each process."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity, self.used = capacity, 0
-        self.entries: OrderedDict[int, Any] = OrderedDict()
-
-    def get(self, index: int, compute: Any) -> tuple[Any, bool]:
-        if index in self.entries:
-            self.entries.move_to_end(index)
-            return self.entries[index], False
-        value = compute()
-        self.entries[index] = value
-        self.used += value.nbytes
-        while self.used > self.capacity and self.entries:
-            _, old = self.entries.popitem(last=False)
-            self.used -= old.nbytes
-        return value, True
-
-    def node_bytes(self) -> int:
-        return self.used
-
-
-class _Redis(_Client):
-    def __init__(self, port: int) -> None:
-        import redis
-
-        self.client = redis.Redis(host="127.0.0.1", port=port)
-
-    def get(self, index: int, compute: Any) -> tuple[Any, bool]:
-        import torch
-
-        raw = self.client.get(f"emb:{index}")
-        if isinstance(raw, bytes):  # a copy into this process, as every Redis client makes
-            return torch.frombuffer(bytearray(raw), dtype=torch.float32).reshape(-1, WIDTH), False
-        value = compute()
-        self.client.set(f"emb:{index}", value.numpy().tobytes(), nx=True)
-        return value, True
-
-    def node_bytes(self) -> int:
-        return int(self.client.info("memory")["used_memory"])
-
-
-class _Mooncake(_Client):
-    def __init__(self, master: str) -> None:
-        from shmcache.remote import RemoteStore
-
-        self.store = RemoteStore(
-            master,
-            protocol="tcp",
-            segment_bytes=512 << 20,
-            buffer_bytes=16 << 20,
-            queue_size=1,
-            strict=True,
-            count=lambda name, n: None,
-        )
-        self.buffer = np.empty(0, dtype=np.uint8)
-        self.prefix = "bench-mooncake-alone"
-        self.stored = 0
-
-    def get(self, index: int, compute: Any) -> tuple[Any, bool]:
-        import torch
-
-        name = f"{self.prefix}@{index}"
-        size = self.store.size_of(name)
-        if size is not None:
-            if self.buffer.nbytes < size:
-                self.buffer = np.empty(size, dtype=np.uint8)
-                self.store.register(self.buffer.ctypes.data, self.buffer.nbytes)
-            if self.store.get_into(name, self.buffer.ctypes.data, size):
-                return torch.from_numpy(self.buffer[:size].copy().view(np.float32)).reshape(-1, WIDTH), False
-        value = compute()
-        array = value.numpy()
-        self.store.register(array.ctypes.data, array.nbytes)
-        assert self.store._store is not None
-        if self.store._store.put_from(name, array.ctypes.data, array.nbytes) == 0:
-            self.stored += array.nbytes
-        return value, True
-
-    def node_bytes(self) -> int:
-        return self.stored  # the copies this process placed in the store
-
-    def close(self) -> None:
-        self.store.close()
-
-
-class _Shmcache(_Client):
-    def __init__(self, config: Any) -> None:
-        from shmcache import EmbeddingCache
-
-        self.cache = EmbeddingCache(config)
-
-    def get(self, index: int, compute: Any) -> tuple[Any, bool]:
-        from tools.bench_node import key
-
-        computed = []
-
-        def run() -> Any:
-            computed.append(1)
-            return compute()
-
-        return self.cache.get_or_compute(key(f"bench-{index}"), run), bool(computed)
-
-    def node_bytes(self) -> int:
-        return int(self.cache.stats()["bytes"])
-
-    def close(self) -> None:
-        self.cache.close()
-
-
-class _Memcpy(_Client):
-    """The floor for any copying cache: a hit costs one memcpy of the value."""
-
-    def __init__(self) -> None:
-        self.values: dict[int, Any] = {}
-
-    def get(self, index: int, compute: Any) -> tuple[Any, bool]:
-        import torch
-
-        if index in self.values:
-            source = self.values[index]
-            out = torch.empty_like(source)
-            out.copy_(source)
-            return out, False
-        self.values[index] = compute()
-        return self.values[index], True
-
-    def node_bytes(self) -> int:
-        return sum(v.nbytes for v in self.values.values())
-
-
 def _worker(
     system: str, setup: dict[str, Any], stream: list[int], sizes: tuple[int, ...], start: Any, out: Any
 ) -> None:
     model = _encoder(WIDTH)
-    client: _Client
-    if system == "none":
-        client = _NoCache()
-    elif system == "lru":
-        client = _Lru(setup["lru_bytes"])
-    elif system == "redis":
-        client = _Redis(setup["redis_port"])
-    elif system == "mooncake":
-        client = _Mooncake(setup["master"])
-    elif system in ("shmcache", "shmcache+remote"):
-        client = _Shmcache(setup["config"])
-    else:
-        client = _Memcpy()
+    client = client_for(system, setup)
     warm = len(stream) // 4
     hits: list[tuple[int, float]] = []
     misses: list[float] = []
@@ -258,66 +96,67 @@ def _worker(
     )
 
 
-def _wait_for_port(port: int, timeout: float = 10.0) -> None:
-    import socket
+def _configure_shmcache(system: str, setup: dict[str, Any], capacity: int) -> str | None:
+    """For a shmcache system, put its `CacheConfig` in `setup` and return its new namespace; else None."""
+    if not system.startswith("shmcache"):
+        return None
+    from shmcache import CacheConfig
 
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"nothing listens on 127.0.0.1:{port}") from None
-            time.sleep(0.05)
+    namespace = f"bench-{uuid.uuid4().hex[:8]}"
+    extra: dict[str, Any] = {}
+    if system == "shmcache+remote":
+        extra = {"remote_master": setup["master"], "remote_segment_bytes": 512 << 20}
+    setup["config"] = CacheConfig(
+        enable_embedding_cache=True, namespace=namespace, capacity_bytes=capacity, **extra
+    )
+    return namespace
 
 
-def _free_port() -> int:
-    from shmcache.remote import free_port
+def _p_ms(seconds: list[float], q: float) -> float | None:
+    """The q-th percentile of `seconds`, in milliseconds (None if there are none)."""
+    return float(np.percentile(seconds, q)) * 1e3 if seconds else None
 
-    return free_port()
+
+def _summarise(
+    system: str, processes: int, sizes: tuple[int, ...], reports: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """One result row from the workers' reports."""
+    hits = [h for r in reports for _, h in r["hits"]]
+    by_size = {
+        str(size): _p_ms(found, 50)
+        for size in sizes
+        if (found := [h for r in reports for s, h in r["hits"] if s == size])
+    }
+    misses = [m for r in reports for m in r["misses"]]
+    per_process = system in ("lru", "mooncake", "memcpy")  # copies held (or placed) by each process
+    node_total = (
+        sum(r["node_bytes"] for r in reports) if per_process else max(r["node_bytes"] for r in reports)
+    )
+    return {
+        "system": system,
+        "processes": processes,
+        "hit_p50_ms": _p_ms(hits, 50),
+        "hit_p99_ms": _p_ms(hits, 99),
+        "hit_p50_ms_by_size": by_size,
+        "miss_p50_ms": _p_ms(misses, 50),
+        "encoder_forwards": sum(r["forwards"] for r in reports),
+        "node_bytes": node_total,
+        "requests_per_s": sum(r["requests"] for r in reports) / max(r["wall"] for r in reports),
+    }
 
 
 def _run_system(
     system: str, processes: int, streams: list[list[int]], sizes: tuple[int, ...], capacity: int
 ) -> dict[str, Any] | None:
+    """`system`'s result row with `processes` workers on `streams`; None if its server is not installed."""
     ctx = mp.get_context("spawn")
     setup: dict[str, Any] = {"lru_bytes": capacity}
     servers: list[Any] = []
     namespace = None
     try:
-        if system == "redis":
-            binary = shutil.which("redis-server")
-            if binary is None:
-                return None
-            port = _free_port()
-            servers.append(
-                subprocess.Popen(
-                    [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
-                )
-            )
-            setup["redis_port"] = port
-            _wait_for_port(port)
-        if system in ("mooncake", "shmcache+remote"):
-            from shmcache.testing import MooncakeMaster
-
-            if MooncakeMaster.missing():
-                return None
-            master = MooncakeMaster()
-            servers.append(master.process)
-            setup["master"] = master.address
-        if system.startswith("shmcache"):
-            from shmcache import CacheConfig
-
-            namespace = f"bench-{uuid.uuid4().hex[:8]}"
-            extra: dict[str, Any] = {}
-            if system == "shmcache+remote":
-                extra = {"remote_master": setup["master"], "remote_segment_bytes": 512 << 20}
-            setup["config"] = CacheConfig(
-                enable_embedding_cache=True, namespace=namespace, capacity_bytes=capacity, **extra
-            )
+        if not start_servers(system, setup, servers):
+            return None
+        namespace = _configure_shmcache(system, setup, capacity)
         start, out = ctx.Barrier(processes), ctx.Queue()
         procs = [
             ctx.Process(target=_worker, args=(system, setup, streams[i], sizes, start, out))
@@ -337,28 +176,7 @@ def _run_system(
             from shmcache import destroy_namespace
 
             destroy_namespace(namespace)
-    hits = [h for r in reports for _, h in r["hits"]]
-    by_size = {
-        str(size): float(np.percentile(found, 50)) * 1e3
-        for size in sizes
-        if (found := [h for r in reports for s, h in r["hits"] if s == size])
-    }
-    misses = [m for r in reports for m in r["misses"]]
-    per_process = system in ("lru", "mooncake", "memcpy")  # copies held (or placed) by each process
-    node_total = (
-        sum(r["node_bytes"] for r in reports) if per_process else max(r["node_bytes"] for r in reports)
-    )
-    return {
-        "system": system,
-        "processes": processes,
-        "hit_p50_ms": float(np.percentile(hits, 50)) * 1e3 if hits else None,
-        "hit_p99_ms": float(np.percentile(hits, 99)) * 1e3 if hits else None,
-        "hit_p50_ms_by_size": by_size,
-        "miss_p50_ms": float(np.percentile(misses, 50)) * 1e3 if misses else None,
-        "encoder_forwards": sum(r["forwards"] for r in reports),
-        "node_bytes": node_total,
-        "requests_per_s": sum(r["requests"] for r in reports) / max(r["wall"] for r in reports),
-    }
+    return _summarise(system, processes, sizes, reports)
 
 
 def run(

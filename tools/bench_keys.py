@@ -14,25 +14,10 @@ from collections.abc import Callable
 
 import xxhash
 
-from shmcache import EmbeddingCacheKey, EncoderPreprocessingConfig
+from shmcache import EmbeddingCacheKey
+from shmcache.testing import sample_preprocessing
 
-CONFIG = EncoderPreprocessingConfig(
-    cache_schema_version=1,
-    model_id="Qwen/Qwen2.5-Omni-7B",
-    model_revision="main",
-    encoder_config_hash="0" * 16,
-    processor_version="4.51",
-    resize_mode="bicubic",
-    image_size=(448, 448),
-    crop_mode="center",
-    normalize_mean=(0.48, 0.46, 0.41),
-    normalize_std=(0.27, 0.26, 0.28),
-    audio_sample_rate=0,
-    audio_codec_version="",
-    audio_codec_config_hash="",
-    video_frame_stride=0,
-    input_dtype="bfloat16",
-)
+CONFIG = sample_preprocessing()  # the preprocessing config of every tool's keys (bench_node, stress, ...)
 
 
 def _rates(fns: list[Callable[[], object]], nbytes: int, rounds: int = 60) -> list[float]:

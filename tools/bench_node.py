@@ -25,13 +25,13 @@ import numpy as np
 import torch
 
 from shmcache import CacheConfig, EmbeddingCache, EmbeddingCacheKey, destroy_namespace
-from tools.bench_keys import CONFIG
+from shmcache.testing import sample_preprocessing
 
 SIZES = {"1 KiB": 1 << 10, "1 MiB": 1 << 20, "8 MiB": 8 << 20, "64 MiB": 64 << 20}
 
 
 def key(name: str) -> EmbeddingCacheKey:
-    return EmbeddingCacheKey.from_raw_bytes(name.encode(), CONFIG, modality="image")
+    return EmbeddingCacheKey.from_raw_bytes(name.encode(), sample_preprocessing(), modality="image")
 
 
 def _config(capacity: int, **extra: Any) -> CacheConfig:

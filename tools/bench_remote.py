@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from shmcache import CacheConfig, EmbeddingCache, destroy_namespace
-from shmcache.remote import RemoteStore, remote_key
+from shmcache.remote.store import RemoteStore, remote_key
 from shmcache.testing import MooncakeMaster
 from tools.bench_node import key
 

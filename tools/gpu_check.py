@@ -23,23 +23,20 @@ In real spawned processes sharing one namespace, it checks:
 
 Each check is printed as it ends; exit status 0 when every check passed, 1 otherwise, 2 without
 CUDA. Workers die with this process (even on SIGKILL of it). On the lent device machine the image
-lacks posix_ipc and blake3: docs/gpu.md says how to carry their wheels.
+lacks posix_ipc and blake3: docs/gpu.md says how to carry their wheels. The worker processes
+are in tools/gpu_check_workers.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import dataclasses
-import gc
 import json
 import multiprocessing as mp
 import os
 import queue
 import signal
-import statistics
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -48,253 +45,21 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np
 import torch
-import xxhash
 
-from shmcache import CacheConfig, EmbeddingCache, EmbeddingCacheKey, destroy_namespace
-from shmcache.layout import COUNTERS
+from shmcache import CacheConfig, EmbeddingCacheKey, destroy_namespace
 from tools.bench_keys import CONFIG as PCONFIG
-from tools.bench_node import key as key_of
+from tools.gpu_check_workers import (
+    DTYPES,
+    VALUE_BYTES,
+    concurrent_exporter,
+    exporter,
+    fence_exporter,
+    reader,
+    sample_value,
+)
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-VALUE_BYTES = 8 << 20
 _REPLY_TIMEOUT_S = 60.0
-_PR_SET_PDEATHSIG = 1
-
-
-def fingerprint(value: Any) -> str:
-    """A digest of the value's bytes: a torch tensor (any device), a numpy or a cupy array."""
-    if isinstance(value, torch.Tensor):
-        data = value.detach().contiguous().cpu().view(torch.uint8).numpy()
-    elif isinstance(value, np.ndarray):
-        data = np.ascontiguousarray(value).view(np.uint8)
-    else:
-        import cupy
-
-        data = np.ascontiguousarray(cupy.asnumpy(value)).view(np.uint8)
-    return xxhash.xxh3_128_hexdigest(data.tobytes())
-
-
-def _describe(value: Any) -> dict[str, Any]:
-    library = type(value).__module__.split(".")[0]
-    if library == "numpy":
-        return {"library": library, "device": "cpu"}
-    return {
-        "library": library,
-        "device": str(value.device) if library == "torch" else f"cuda:{value.device.id}",
-    }
-
-
-def _value(name: str, nbytes: int = VALUE_BYTES) -> torch.Tensor:
-    generator = torch.Generator(device="cuda").manual_seed(int(xxhash.xxh32_intdigest(name.encode())))
-    dtype = DTYPES.get(name, torch.bfloat16)
-    return torch.randn(nbytes // 2, generator=generator, device="cuda").to(dtype)
-
-
-def _worker_start(device: int | None) -> None:
-    """Die with the parent (so a killed check leaves nothing holding GPU memory or /dev/shm), use
-    CUDA on `device` (None: never initialise it), and freeze the heap so that the `gc.collect()`
-    of each `flush_releases` stays cheap."""
-    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() == 1:  # the parent died before the prctl
-        os._exit(1)
-    if device is not None:
-        torch.cuda.set_device(device)
-        torch.zeros(1, device="cuda")
-    gc.freeze()
-
-
-def _own_counts(cache: EmbeddingCache) -> dict[str, int]:
-    """This process's own gpu_* counters (stats() sums every process)."""
-    row = cache._node.all_counters[cache._node.client]
-    return {name: int(row[i]) for i, name in enumerate(COUNTERS) if name.startswith("gpu_")}
-
-
-def concurrent_exporter(
-    config: CacheConfig, threads: int, per_thread: int, commands: Any, replies: Any
-) -> None:
-    """Threads put distinct small CUDA values at once (exports racing sweeps and withdrawals)."""
-    _worker_start(0)
-    cache = EmbeddingCache(config)
-    names = [[f"c{t}-{i}" for i in range(per_thread)] for t in range(threads)]
-    failures: list[str] = []
-
-    def put_all(batch: list[str]) -> None:
-        try:
-            for name in batch:
-                cache.put(key_of(name), _value(name, 64 << 10))
-                cache.flush_releases()
-        except Exception as exc:  # reported to the parent
-            failures.append(repr(exc))
-
-    workers = [threading.Thread(target=put_all, args=(batch,)) for batch in names]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join()
-    truth = {name: fingerprint(_value(name, 64 << 10)) for batch in names for name in batch}
-    replies.put({"truth": truth, "failures": failures, "counts": _own_counts(cache)})
-    commands.get()  # stay alive (exporting) until the parent is done
-
-
-def exporter(config: CacheConfig, commands: Any, replies: Any) -> None:
-    """Put one 8 MiB CUDA value per dtype, a cupy array, and a value computed on the GPU by
-    `get_or_compute`; then follow the parent's commands."""
-    _worker_start(0)
-    cache = EmbeddingCache(config)
-    originals: dict[str, Any] = {name: _value(name) for name in DTYPES}
-    for name, value in originals.items():
-        cache.put(key_of(name), value)
-    try:
-        import cupy
-
-        array = cupy.arange(1 << 16, dtype=cupy.float32) * 0.5
-    except Exception as exc:  # not installed, or cannot build its kernels here
-        print(f"gpu_check: no cupy input ({type(exc).__name__}: {exc})", flush=True)
-    else:
-        originals["cupy"] = array
-        cache.put(key_of("cupy"), array)
-    computed = cache.get_or_compute(key_of("computed"), lambda: _value("computed", 1 << 20))
-    originals["computed"] = _value("computed", 1 << 20)
-    own: dict[str, torch.Tensor] = {}
-    for name in DTYPES:
-        mine = cache.get(key_of(name))
-        assert isinstance(mine, torch.Tensor) and mine.is_cuda, "the exporter reads its own copy"
-        own[name] = mine
-    replies.put(
-        {
-            "truth": {name: fingerprint(value) for name, value in originals.items()},
-            "computed": {**_describe(computed), "fingerprint": fingerprint(computed)},
-            "computes": cache.stats()["computes"],
-            "counts": _own_counts(cache),
-        }
-    )
-    saved: dict[str, torch.Tensor] = {}
-    while True:
-        command, name = commands.get()
-        if command == "mutate":  # change our exported copy in place
-            saved[name] = own[name].view(torch.int16)[:16].clone()
-            own[name].view(torch.int16)[:16] = 12345
-        elif command == "restore":
-            own[name].view(torch.int16)[:16] = saved.pop(name)
-        torch.cuda.synchronize()
-        replies.put(command)
-
-
-def fence_exporter(config: CacheConfig, commands: Any, replies: Any) -> None:
-    """Export "fence-a"; on command, wait until nobody references it, then put "fence-b": the
-    export limit holds one value, so "fence-a" is withdrawn and freed first, and "fence-b" most
-    likely lands in its memory."""
-    _worker_start(0)
-    cache = EmbeddingCache(config)
-    first = torch.ones(VALUE_BYTES // 2, dtype=torch.bfloat16, device="cuda")
-    cache.put(key_of("fence-a"), first)
-    replies.put(first.float().sum().item())
-    commands.get()
-    started = time.monotonic()
-    while cache.stats()["references"] and time.monotonic() - started < 20:
-        time.sleep(0.005)
-    waited = time.monotonic() - started
-    before = _own_counts(cache)
-    cache.put(key_of("fence-b"), torch.full_like(first, -3.0))
-    torch.cuda.synchronize()
-    after = _own_counts(cache)
-    replies.put(
-        {"waited_s": waited, **{k: after[k] - before[k] for k in ("gpu_exports", "gpu_export_skips")}}
-    )
-    commands.get()
-
-
-def reader(config: CacheConfig, device: int | None, commands: Any, replies: Any) -> None:
-    """Follow the parent's commands: get values, peek at held ones, time hits, report counters.
-    With `device`, this process uses CUDA on that device; without, it never initialises CUDA."""
-    _worker_start(device)
-    use_cuda = device is not None
-    cache = EmbeddingCache(config)
-    held: dict[str, Any] = {}
-    while True:
-        command, name = commands.get()
-        if command == "get":
-            before = torch.cuda.memory_allocated() if use_cuda else 0
-            value = cache.get(key_of(name))
-            assert value is not None, f"{name}: miss"
-            held[name] = value
-            allocated = (torch.cuda.memory_allocated() - before) if use_cuda else 0
-            replies.put({**_describe(value), "fingerprint": fingerprint(value), "allocated": allocated})
-            del value
-        elif command == "peek":
-            replies.put(held[name].view(torch.int16)[:16].cpu().tolist())
-        elif command == "drop":  # replies with the IPC mappings still open (none once settled)
-            held.clear()
-            cache.flush_releases()
-            replies.put(len(cache._device._mappings or ()))
-        elif command == "bench":
-            replies.put(_bench(cache, name))
-        elif command == "fence":  # queue ~1 s of GPU work on an alias, then drop the alias at once
-            alias = cache.get(key_of(name))
-            assert alias is not None
-            torch.cuda._sleep(2_000_000_000)  # type: ignore[no-untyped-call]
-            held["sum"] = alias.float().sum()
-            del alias
-            replies.put("dropped")
-        elif command == "sum":
-            replies.put(held.pop("sum").item())
-        elif command == "counts":
-            replies.put(_own_counts(cache))
-        elif command == "stop":
-            held.clear()
-            counts = _own_counts(cache)
-            cache.close()
-            replies.put(counts)
-            return
-
-
-def _p50_us(run: Callable[[], object], n: int = 200, between: Callable[[], object] | None = None) -> float:
-    samples = []
-    for _ in range(n):
-        if between is not None:
-            between()
-        start = time.perf_counter()
-        run()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples) * 1e6
-
-
-def _bench(cache: EmbeddingCache, name: str) -> dict[str, float]:
-    """p50 of a GPU hit (opening the handle: no other view of it is alive), a repeat hit, and copies."""
-    key = key_of(name)
-    cache.get(key)
-    cache.flush_releases()
-
-    def hit() -> None:
-        value = cache.get(key)
-        assert value is not None and value.is_cuda
-
-    # between hits the value is dropped and its pin released: each get is a node hit, not a repeat
-    node_hit = _p50_us(hit, between=cache.flush_releases)
-    held = cache.get(key)
-    src = torch.empty(VALUE_BYTES, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    pageable = torch.empty(VALUE_BYTES, dtype=torch.uint8)
-    pinned = pageable.pin_memory()
-
-    def copy(source: torch.Tensor) -> Callable[[], None]:
-        def run() -> None:
-            dst.copy_(source)
-            torch.cuda.synchronize()
-
-        return run
-
-    result = {
-        "gpu_hit_us": node_hit,
-        "gpu_repeat_hit_us": _p50_us(lambda: cache.get(key)),
-        "d2d_copy_us": _p50_us(copy(src)),
-        "h2d_pageable_us": _p50_us(copy(pageable)),
-        "h2d_pinned_us": _p50_us(copy(pinned)),
-    }
-    del held
-    return result
 
 
 class _Process:
@@ -378,33 +143,7 @@ def run_checks(report: Report | None = None) -> Report:
         report.check("the reader's mappings all close with its last aliases", gpu_reader.ask("drop") == 0)
         report.figures.update(gpu_reader.ask("bench", "bf16"))
         _peer(report, config, truth)
-        gpu_reader.ask("drop")
-        gpu_reader.ask("get", "bf16")  # an alias held (and its repeat-hit template) across the kill
-        export.kill()
-        counts = gpu_reader.ask("counts")
-        repeat = gpu_reader.ask("get", "bf16")
-        delta = _delta(gpu_reader.ask("counts"), counts)
-        report.check(
-            "after the exporter's SIGKILL: a repeat hit takes the host copy, not a new alias",
-            repeat["fingerprint"] == truth["bf16"] and delta["gpu_hits_host_copy"] == 1,
-        )
-        late = _Process(reader, config, 0)
-        workers.append(late)
-        counts = late.ask("counts")
-        for name in DTYPES:
-            got = late.ask("get", name)
-            report.check(
-                f"after the exporter's SIGKILL: {name} from the host copy, bit-identical",
-                got["fingerprint"] == truth[name] and got["device"] == "cuda:0",
-            )
-        delta = _delta(late.ask("counts"), counts)
-        report.check(
-            "after the exporter's SIGKILL: host-to-device route, dead exporter counted",
-            delta["gpu_hits_host_copy"] == 2
-            and delta["gpu_dead_exporter"] >= 2
-            and delta["gpu_hits_alias"] == 0,
-        )
-        late.ask("drop")
+        late = _exporter_killed(report, config, truth, export, gpu_reader, workers)
         _racing(report, config, late, workers)
         _fence(report, namespace, workers)
         readers = {"GPU reader": gpu_reader, "CPU reader": cpu_reader, "late GPU reader": late}
@@ -417,9 +156,47 @@ def run_checks(report: Report | None = None) -> Report:
     return report
 
 
+def _exporter_killed(
+    report: Report,
+    config: CacheConfig,
+    truth: dict[str, str],
+    export: _Process,
+    gpu_reader: _Process,
+    workers: list[_Process],
+) -> _Process:
+    """SIGKILL the exporter while `gpu_reader` holds an alias; then a repeat hit and a new GPU
+    reader (returned, its views dropped) must get bit-identical host copies."""
+    gpu_reader.ask("drop")
+    gpu_reader.ask("get", "bf16")  # an alias held (and its repeat-hit template) across the kill
+    export.kill()
+    counts = gpu_reader.ask("counts")
+    repeat = gpu_reader.ask("get", "bf16")
+    delta = _delta(gpu_reader.ask("counts"), counts)
+    report.check(
+        "after the exporter's SIGKILL: a repeat hit takes the host copy, not a new alias",
+        repeat["fingerprint"] == truth["bf16"] and delta["gpu_hits_host_copy"] == 1,
+    )
+    late = _Process(reader, config, 0)
+    workers.append(late)
+    counts = late.ask("counts")
+    for name in DTYPES:
+        got = late.ask("get", name)
+        report.check(
+            f"after the exporter's SIGKILL: {name} from the host copy, bit-identical",
+            got["fingerprint"] == truth[name] and got["device"] == "cuda:0",
+        )
+    delta = _delta(late.ask("counts"), counts)
+    report.check(
+        "after the exporter's SIGKILL: host-to-device route, dead exporter counted",
+        delta["gpu_hits_host_copy"] == 2 and delta["gpu_dead_exporter"] >= 2 and delta["gpu_hits_alias"] == 0,
+    )
+    late.ask("drop")
+    return late
+
+
 def _keys(report: Report) -> None:
     """Keys of CUDA tensors equal the keys of their CPU copies (dtype, shape and bytes hashed)."""
-    value = _value("key", 1 << 16).reshape(128, 256)
+    value = sample_value("key", 1 << 16).reshape(128, 256)
     pairs = [(value, value.cpu()), (value.t(), value.t().cpu()), (value.half(), value.half().cpu())]
     report.check(
         "keys of CUDA tensors (bf16, non-contiguous, fp16) equal their CPU copies' keys",

@@ -21,6 +21,8 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Sequence
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
@@ -35,11 +37,11 @@ from shmcache import (
     EmbeddingCacheKey,
     destroy_namespace,
 )
-from tools.bench_keys import CONFIG as PCONFIG
+from shmcache.testing import sample_preprocessing
 
 
 def key(i: int) -> EmbeddingCacheKey:
-    return EmbeddingCacheKey.from_raw_bytes(f"input-{i}".encode(), PCONFIG, modality="image")
+    return EmbeddingCacheKey.from_raw_bytes(f"input-{i}".encode(), sample_preprocessing(), modality="image")
 
 
 def expected(i: int) -> torch.Tensor:
@@ -57,65 +59,80 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def worker(config: CacheConfig, n_keys: int, seed: int, deadline: float, report: str, owners: Any) -> None:
-    """One stress process. Appends violations (one JSON object a line) to `report`."""
-    rng = random.Random(seed)
-    pid = os.getpid()
+class _Worker:
+    """One stress process's state: its random stream, the views it holds and where it reports."""
 
-    def violation(kind: str, detail: str) -> None:
-        with open(report, "a") as f:
-            f.write(json.dumps({"pid": pid, "kind": kind, "detail": detail}) + "\n")
+    def __init__(self, n_keys: int, seed: int, report: str, owners: Any) -> None:
+        self.rng = random.Random(seed)
+        self.pid = os.getpid()
+        self.n_keys, self.report, self.owners = n_keys, report, owners
+        self.held: list[tuple[int, torch.Tensor]] = []
 
-    cache = EmbeddingCache(config)
-    held: list[tuple[int, torch.Tensor]] = []
-    while time.time() < deadline:
-        i = rng.randrange(16) if rng.random() < 0.5 else rng.randrange(n_keys)  # a hot set
+    def violation(self, kind: str, detail: str) -> None:
+        with open(self.report, "a") as f:
+            f.write(json.dumps({"pid": self.pid, "kind": kind, "detail": detail}) + "\n")
+
+    def compute(self, i: int) -> torch.Tensor:
+        """Input i's forward: records this process as its computer while it runs, and checks that no
+        other live process computes it at the same time."""
+        other = self.owners[i]
+        if other and other != self.pid and _alive(other):
+            time.sleep(0.2)  # a SIGKILLed owner releases its reservation before it is a zombie
+            if _alive(other):
+                self.violation("concurrent-compute", f"key {i}: pid {other} was computing it too")
+        self.owners[i] = self.pid
+        time.sleep(self.rng.uniform(0, 0.05))
+        self.owners[i] = 0
+        if self.rng.random() < 0.05:
+            raise ValueError("injected compute failure")
+        return expected(i)
+
+    def call(self, cache: EmbeddingCache, i: int, request: str | None) -> torch.Tensor | None:
+        """One random call on key i: get_or_compute, get or put."""
+        roll = self.rng.random()
+        value: torch.Tensor | None = None
+        if roll < 0.7:
+            value = cache.get_or_compute(key(i), lambda: self.compute(i), request_id=request)
+        elif roll < 0.85:
+            value = cache.get(key(i), request_id=request)
+        else:
+            cache.put(key(i), expected(i), request_id=request)
+        return value
+
+    def step(self, cache: EmbeddingCache) -> None:
+        rng = self.rng
+        i = rng.randrange(16) if rng.random() < 0.5 else rng.randrange(self.n_keys)  # a hot set
         request = f"r{rng.randrange(3)}" if rng.random() < 0.5 else None
-
-        def compute(i: int = i) -> torch.Tensor:
-            other = owners[i]
-            if other and other != pid and _alive(other):
-                time.sleep(0.2)  # a SIGKILLed owner releases its reservation before it is a zombie
-                if _alive(other):
-                    violation("concurrent-compute", f"key {i}: pid {other} was computing it too")
-            owners[i] = pid
-            time.sleep(rng.uniform(0, 0.05))
-            owners[i] = 0
-            if rng.random() < 0.05:
-                raise ValueError("injected compute failure")
-            return expected(i)
-
         try:
-            roll = rng.random()
-            if roll < 0.7:
-                value = cache.get_or_compute(key(i), compute, request_id=request)
-            elif roll < 0.85:
-                value = cache.get(key(i), request_id=request)
-            else:
-                cache.put(key(i), expected(i), request_id=request)
-                value = None
+            value = self.call(cache, i, request)
         except (ComputeFailed, ValueError, ComputeTimeout, CapacityError):
-            continue
+            return
         if value is not None:
             if not torch.equal(value, expected(i)):
-                violation("wrong-value", f"key {i}")
+                self.violation("wrong-value", f"key {i}")
             if rng.random() < 0.3:
-                held.append((i, value))
-        if len(held) > 8 or (held and rng.random() < 0.2):
-            j, view = held.pop(rng.randrange(len(held)))
+                self.held.append((i, value))
+        if len(self.held) > 8 or (self.held and rng.random() < 0.2):
+            j, view = self.held.pop(rng.randrange(len(self.held)))
             if not torch.equal(view, expected(j)):
-                violation("view-changed", f"key {j}: a held view's memory was reused")
+                self.violation("view-changed", f"key {j}: a held view's memory was reused")
         if request is not None and rng.random() < 0.2:
             cache.cleanup_request(request)
-    held.clear()
+
+
+def worker(config: CacheConfig, n_keys: int, seed: int, deadline: float, report: str, owners: Any) -> None:
+    """One stress process. Appends violations (one JSON object a line) to `report`."""
+    state = _Worker(n_keys, seed, report, owners)
+    cache = EmbeddingCache(config)
+    while time.time() < deadline:
+        state.step(cache)
+    state.held.clear()
     cache.close()
 
 
-def run(seconds: float, workers: int, kill_every: float, n_keys: int = 400, seed: int = 0) -> dict[str, Any]:
-    """Run the stress test; returns a summary with the violations found (empty when all is well)."""
-    ctx = mp.get_context("spawn")
-    namespace = f"stress-{uuid.uuid4().hex[:8]}"
-    config = CacheConfig(
+def _config(namespace: str) -> CacheConfig:
+    """The stress run's cache config for `namespace`: 8 MiB, 512 entries, a 2 s TTL."""
+    return CacheConfig(
         enable_embedding_cache=True,
         namespace=namespace,
         capacity_bytes=8 << 20,
@@ -126,6 +143,34 @@ def run(seconds: float, workers: int, kill_every: float, n_keys: int = 400, seed
         compute_timeout_s=30.0,
         ttl_s=2.0,
     )
+
+
+def _kill_one(procs: Sequence[BaseProcess], started: dict[int, float], rng: random.Random) -> bool:
+    """SIGKILL a random live worker past start-up (spawn + imports take seconds here) and reap it;
+    False if there is none."""
+    alive = [p for p in procs if p.is_alive() and time.time() - started[p.pid or 0] > 3.0]
+    if not alive:
+        return False
+    victim = rng.choice(alive)
+    os.kill(victim.pid, signal.SIGKILL)  # type: ignore[arg-type]
+    victim.join(10)
+    return True
+
+
+def _violations(report: Path, stats: dict[str, int]) -> list[dict[str, Any]]:
+    """The violations the workers reported, and a `leftover` one if references or reservations remain."""
+    lines = report.read_text().splitlines()
+    violations = [json.loads(line) for line in lines if line.strip()]
+    if stats["references"] or stats["reserved"]:
+        violations.append({"kind": "leftover", "detail": f"after every worker left: {stats}"})
+    return violations
+
+
+def run(seconds: float, workers: int, kill_every: float, n_keys: int = 400, seed: int = 0) -> dict[str, Any]:
+    """Run the stress test; returns a summary with the violations found (empty when all is well)."""
+    ctx = mp.get_context("spawn")
+    namespace = f"stress-{uuid.uuid4().hex[:8]}"
+    config = _config(namespace)
     rng = random.Random(seed)
     owners = ctx.Array("i", n_keys, lock=False)
     report = Path(tempfile.mkdtemp()) / "violations.jsonl"
@@ -148,23 +193,14 @@ def run(seconds: float, workers: int, kill_every: float, n_keys: int = 400, seed
     try:
         while time.time() < deadline - 1.0:
             time.sleep(max(0.0, min(rng.uniform(0.5, 1.5) * kill_every, deadline - 1.0 - time.time())))
-            # victims are workers past start-up (spawn + imports take seconds here)
-            alive = [p for p in procs if p.is_alive() and time.time() - started[p.pid or 0] > 3.0]
-            if alive:
-                victim = rng.choice(alive)
-                os.kill(victim.pid, signal.SIGKILL)  # type: ignore[arg-type]
-                victim.join(10)
+            if _kill_one(procs, started, rng):
                 kills += 1
                 start()
         for proc in procs:
             proc.join(max(1.0, deadline - time.time() + 30))
         observer.gc()
         stats = observer.stats()
-        lines = report.read_text().splitlines()
-        violations = [json.loads(line) for line in lines if line.strip()]
-        if stats["references"] or stats["reserved"]:
-            violations.append({"kind": "leftover", "detail": f"after every worker left: {stats}"})
-        return {"kills": kills, "stats": stats, "violations": violations}
+        return {"kills": kills, "stats": stats, "violations": _violations(report, stats)}
     finally:
         for proc in procs:
             if proc.is_alive():

@@ -1,0 +1,320 @@
+"""Reading the value format (see `shmcache.format.values` for the layout): parse and
+bounds-check a head, then build the value over the buffer, zero-copy where it can.
+
+`decode` bounds-checks every field and raises `CorruptValue` for truncated or malformed input.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from shmcache.errors import CorruptValue, UnsupportedValue
+from shmcache.format.values import (
+    ALIGNMENT,
+    DESCRIPTOR,
+    DEVICE_LIBS,
+    DIM,
+    HEADER,
+    KIND_HIDDEN_STATE_PREFIX,
+    KIND_NAMES,
+    KIND_NDARRAY,
+    KIND_TENSOR,
+    KIND_TOKEN_IDS,
+    MAGIC,
+    MAX_ARRAYS,
+    MAX_META,
+    MAX_NDIM,
+    TORCH_LIBS,
+    VERSION,
+    HiddenStatePrefix,
+    Value,
+    align,
+    is_tensor,
+)
+from shmcache.keys.dtypes import numpy_dtype, torch_dtype
+
+__all__ = [
+    "ArraySpec",
+    "DeviceBuilder",
+    "ParsedValue",
+    "alias",
+    "as_byte_array",
+    "decode",
+    "describe",
+    "materialize",
+    "parse",
+]
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    """One checked array descriptor, with its dtype already resolved."""
+
+    lib: int
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+    name: str
+    np_dtype: np.dtype[Any] | None  # numpy dtype of the elements, None if numpy has no twin
+    torch_dtype: Any  # torch.dtype for torch arrays, None for numpy arrays
+
+
+@dataclass(frozen=True)
+class ParsedValue:
+    """The checked header and array descriptors of an encoded value."""
+
+    kind: int
+    arrays: tuple[ArraySpec, ...]
+    meta: bytes
+    total_len: int
+
+    @property
+    def on_device(self) -> bool:
+        """True if any array was on a GPU when it was stored."""
+        return any(spec.lib in DEVICE_LIBS for spec in self.arrays)
+
+
+_parsed_heads: dict[bytes, ParsedValue] = {}
+_PARSED_HEADS_MAX = 4096
+
+
+def parse(buffer: memoryview) -> ParsedValue:
+    """Parse and bounds-check the header and descriptors; raises `CorruptValue`.
+
+    Results are memoised by the head bytes (header, descriptors and metadata, which determine the
+    result entirely), so entries of the same shape and dtype are parsed once per process.
+    """
+    size = buffer.nbytes
+    if size < HEADER.size:
+        raise CorruptValue(f"value truncated: {size} bytes is shorter than the {HEADER.size}-byte header")
+    head = HEADER.unpack_from(buffer)
+    end_of_head = HEADER.size + head[7] + head[5]
+    if end_of_head > size or head[6] > size:
+        raise CorruptValue(f"value truncated: header announces more than the {size} bytes present")
+    raw_head = bytes(buffer[:end_of_head])
+    parsed = _parsed_heads.get(raw_head)
+    if parsed is None:
+        parsed = _parse_head(memoryview(raw_head), head)
+        if len(_parsed_heads) >= _PARSED_HEADS_MAX:
+            _parsed_heads.clear()
+        _parsed_heads[raw_head] = parsed
+    return parsed
+
+
+def _parse_head(buffer: memoryview, head: tuple[Any, ...]) -> ParsedValue:
+    _check_header(head)
+    _magic, _version, kind, _flags, n_arrays, meta_len, total, descriptors_len, _ = head
+    end_of_head = HEADER.size + descriptors_len + meta_len
+    if end_of_head > total:
+        raise CorruptValue("value descriptors overrun the value")
+    end_of_descriptors = HEADER.size + descriptors_len
+    position = HEADER.size
+    arrays = []
+    floor = align(end_of_head)
+    for _ in range(n_arrays):
+        spec, position = _read_descriptor(buffer, position, end_of_descriptors, floor, total)
+        floor = spec.offset + spec.nbytes
+        arrays.append(spec)
+    if position != end_of_descriptors:
+        raise CorruptValue("value descriptor length mismatch")
+    meta = bytes(buffer[end_of_head - meta_len : end_of_head])
+    return ParsedValue(kind, tuple(arrays), meta, total)
+
+
+def _check_header(head: tuple[Any, ...]) -> None:
+    """The header fields that need nothing past the header: magic, version, kind and counts."""
+    magic, version, kind, _flags, n_arrays, meta_len, _total, _descriptors_len, _ = head
+    if magic != MAGIC:
+        raise CorruptValue(f"bad value magic {bytes(magic)!r}")
+    if version != VERSION:
+        raise CorruptValue(f"unsupported value format version {version}")
+    if kind not in KIND_NAMES:
+        raise CorruptValue(f"unknown value kind {kind}")
+    if n_arrays > MAX_ARRAYS or meta_len > MAX_META:
+        raise CorruptValue("value header counts out of range")
+    expected_arrays = {KIND_TENSOR: 1, KIND_NDARRAY: 1, KIND_TOKEN_IDS: 1, KIND_HIDDEN_STATE_PREFIX: 2}
+    if kind in expected_arrays and n_arrays != expected_arrays[kind]:
+        raise CorruptValue(f"a {KIND_NAMES[kind]} value holds {expected_arrays[kind]} arrays, not {n_arrays}")
+
+
+def _read_descriptor(
+    buffer: memoryview, position: int, end: int, floor: int, total: int
+) -> tuple[ArraySpec, int]:
+    """The descriptor at `position` (descriptors end at `end`; its payload must start at or past
+    `floor` and end within `total`), and the position of the next one."""
+    if position + DESCRIPTOR.size > end:
+        raise CorruptValue("value descriptor truncated")
+    lib, dtype_len, ndim, name_len, offset, nbytes = DESCRIPTOR.unpack_from(buffer, position)
+    position += DESCRIPTOR.size
+    tail = position + DIM.size * ndim + dtype_len + name_len
+    if tail > end or ndim > MAX_NDIM or not 1 <= lib <= 4:
+        raise CorruptValue("value descriptor out of range")
+    shape = struct.unpack_from(f"<{ndim}Q", buffer, position)
+    position += DIM.size * ndim
+    try:
+        dtype = bytes(buffer[position : position + dtype_len]).decode("ascii")
+        name = bytes(buffer[position + dtype_len : tail]).decode("utf-8")
+    except UnicodeDecodeError:
+        raise CorruptValue("value descriptor names are not valid text") from None
+    if offset % ALIGNMENT or offset < floor or offset + nbytes > total:
+        raise CorruptValue(f"array payload [{offset}, {offset + nbytes}) out of bounds")
+    return _spec(lib, dtype, shape, offset, nbytes, name), tail
+
+
+def _spec(lib: int, dtype: str, shape: tuple[int, ...], offset: int, nbytes: int, name: str) -> ArraySpec:
+    count = 1
+    for dim in shape:
+        count *= dim
+    try:
+        if lib not in TORCH_LIBS:
+            np_dtype: np.dtype[Any] | None = numpy_dtype(dtype)
+            torch_type = None
+            itemsize = np_dtype.itemsize if np_dtype is not None else 0
+        else:
+            torch_type = torch_dtype(dtype)
+            itemsize = torch_type.itemsize
+            np_dtype = _numpy_twin(dtype, itemsize)
+    except UnsupportedValue as exc:
+        raise CorruptValue(str(exc)) from None
+    if count * itemsize != nbytes:
+        raise CorruptValue(f"array of {dtype} {list(shape)} does not match its {nbytes} bytes")
+    return ArraySpec(lib, dtype, shape, offset, nbytes, name, np_dtype, torch_type)
+
+
+def _numpy_twin(name: str, itemsize: int) -> np.dtype[Any] | None:
+    """The numpy dtype with the same name and size as a torch dtype (None for bfloat16 & co)."""
+    try:
+        twin = numpy_dtype(name)
+    except UnsupportedValue:
+        return None
+    return twin if twin.itemsize == itemsize else None
+
+
+def as_byte_array(buffer: memoryview | bytes | bytearray | np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """A flat writable uint8 array over `buffer` (read-only input such as bytes is copied once)."""
+    if isinstance(buffer, np.ndarray):
+        if not buffer.flags.c_contiguous:
+            raise CorruptValue("encoded values must be C-contiguous")
+        array = buffer.reshape(-1).view(np.uint8)
+    else:
+        array = np.frombuffer(buffer, dtype=np.uint8)
+    return array if array.flags.writeable else array.copy()
+
+
+def decode(buffer: memoryview | bytes | bytearray | np.ndarray[Any, Any], *, copy: bool = False) -> Value:
+    """Decode an encoded value.
+
+    With `copy=False` the returned arrays are zero-copy views of `buffer` and keep the array
+    object passed in (or one made over it) alive (numpy views are read-only). Read-only input
+    (bytes) is copied once. Raises `CorruptValue` for malformed input.
+    """
+    array = as_byte_array(buffer)
+    return materialize(array, parse(array.data), copy=copy)
+
+
+DeviceBuilder = Callable[[ArraySpec], Any]
+
+
+def materialize(
+    array: np.ndarray[Any, Any],
+    parsed: ParsedValue,
+    *,
+    copy: bool = False,
+    base: int = 0,
+    device: DeviceBuilder | None = None,
+) -> Value:
+    """Build the value that `parsed` describes over `array`, whose byte `base` is the value's
+    first byte (already parsed: no checks repeated). Views keep `array` alive. With `device`,
+    arrays born on a GPU are built by it instead (see `shmcache.gpu`)."""
+    return _assemble(
+        parsed,
+        [
+            device(spec)
+            if device is not None and spec.lib in DEVICE_LIBS
+            else _materialize(array, spec, copy, base)
+            for spec in parsed.arrays
+        ],
+    )
+
+
+def _materialize(array: np.ndarray[Any, Any], spec: ArraySpec, copy: bool, base: int) -> Any:
+    offset = base + spec.offset
+    if spec.torch_dtype is None:  # a numpy array
+        assert spec.np_dtype is not None
+        result = np.ndarray(spec.shape, spec.np_dtype, buffer=array, offset=offset)
+        if copy:
+            return result.copy()
+        result.flags.writeable = False
+        return result
+    import torch
+
+    if spec.nbytes == 0:
+        return torch.empty(spec.shape, dtype=spec.torch_dtype)
+    if spec.np_dtype is not None:
+        tensor = torch.from_numpy(np.ndarray(spec.shape, spec.np_dtype, buffer=array, offset=offset))
+    else:
+        raw = np.ndarray((spec.nbytes,), np.uint8, buffer=array, offset=offset)
+        tensor = torch.from_numpy(raw).view(spec.torch_dtype).reshape(spec.shape)
+    return tensor.clone() if copy else tensor
+
+
+def _assemble(parsed: ParsedValue, values: list[Any]) -> Value:
+    kind = parsed.kind
+    if kind in (KIND_TENSOR, KIND_NDARRAY):
+        return _expect(values[0], parsed.arrays[0], torch_lib=kind == KIND_TENSOR)
+    if kind == KIND_TOKEN_IDS:
+        return _token_list(values[0])
+    if kind == KIND_HIDDEN_STATE_PREFIX:
+        try:
+            metadata = json.loads(parsed.meta.decode("utf-8")) if parsed.meta else {}
+        except ValueError:
+            raise CorruptValue("HiddenStatePrefix metadata is not valid JSON") from None
+        if not isinstance(metadata, dict):
+            raise CorruptValue("HiddenStatePrefix metadata is not a JSON object")
+        hidden = _expect(values[1], parsed.arrays[1], torch_lib=True)
+        return HiddenStatePrefix(_token_list(values[0]), hidden, metadata)
+    names = [spec.name for spec in parsed.arrays]
+    if len(set(names)) != len(names):
+        raise CorruptValue("tensor dict has duplicate names")
+    return dict(zip(names, values, strict=True))
+
+
+def _expect(value: Any, spec: ArraySpec, *, torch_lib: bool) -> Any:
+    if (spec.lib in TORCH_LIBS) != torch_lib:
+        raise CorruptValue("array library does not match the value kind")
+    return value
+
+
+def _token_list(array: Any) -> list[int]:
+    if not isinstance(array, np.ndarray) or array.dtype != np.int64 or array.ndim != 1:
+        raise CorruptValue("token ids must be a flat int64 array")
+    tokens: list[int] = array.tolist()
+    return tokens
+
+
+def alias(value: Value) -> Value:
+    """A new value object sharing `value`'s memory (a repeat hit's cheap copy of the handle)."""
+    if isinstance(value, np.ndarray):
+        return value.view()
+    if isinstance(value, HiddenStatePrefix):
+        return HiddenStatePrefix(list(value.token_ids), value.hidden_states.detach(), dict(value.metadata))
+    if isinstance(value, list):
+        return list(value)
+    if isinstance(value, dict):
+        return {name: alias(item) for name, item in value.items()}
+    if is_tensor(value):
+        return value.detach()
+    return value.view()  # a CUDA array of another library
+
+
+def describe(buffer: memoryview | bytes) -> tuple[str, list[tuple[str, tuple[int, ...]]]]:
+    """(kind name, [(dtype, shape), ...]) of an encoded value, without materializing it."""
+    parsed = parse(memoryview(buffer))
+    return KIND_NAMES[parsed.kind], [(spec.dtype, spec.shape) for spec in parsed.arrays]

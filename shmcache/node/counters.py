@@ -1,0 +1,89 @@
+"""Node-wide counters: each client adds to its own record; totals are the sum over live records
+plus the retired totals of clients that left.
+
+Folding a leaving (or dead) client's counters into the retired totals is journaled, so a process
+killed midway neither loses nor doubles them: the journal holds the totals as they were before
+the fold and the row being folded; the next node-section holder restores and redoes it.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+from collections.abc import Callable
+
+import numpy as np
+
+from shmcache.node import crashpoints
+from shmcache.node.crashpoints import CrashPoint
+from shmcache.node.layout import (
+    C_COUNTERS,
+    H_JOURNAL,
+    H_JOURNAL_ROW,
+    H_RETIRED,
+    N_COUNTERS,
+    Counter,
+    IndexBuffer,
+    Layout,
+)
+
+__all__ = ["Counters"]
+
+_I32 = struct.Struct("<i")
+
+
+class Counters:
+    """The counter records of one mapped index; `bind` selects this process's record."""
+
+    def __init__(self, idx: memoryview, layout: Layout, buf: IndexBuffer) -> None:
+        self._idx = idx
+        self.all = np.ndarray(
+            (layout.clients, N_COUNTERS),
+            "<u8",
+            buffer=buf,
+            offset=layout.clients_off + C_COUNTERS,
+            strides=(layout.client_size, 8),
+        )
+        self.retired = np.ndarray((N_COUNTERS,), "<u8", buffer=buf, offset=H_RETIRED)
+        self._journal = np.ndarray((N_COUNTERS,), "<u8", buffer=buf, offset=H_JOURNAL)
+        self._layout = layout
+        self._mine: memoryview | None = None
+        self._lock = threading.Lock()
+
+    def bind(self, row: int | None) -> None:
+        """Count into client record `row` from now on (None: stop counting)."""
+        if row is None:
+            self._mine = None
+            return
+        off = self._layout.client_off(row) + C_COUNTERS
+        self._mine = self._idx[off : off + 8 * N_COUNTERS].cast("Q")
+
+    def count(self, counter: Counter, n: int = 1) -> None:
+        """Add `n` to this process's `counter`."""
+        mine = self._mine
+        if mine is None:
+            return
+        with self._lock:
+            mine[counter] += n
+
+    def totals(self, claimed: np.ndarray) -> dict[str, int]:
+        """Node-wide totals: the records of the `claimed` rows plus the retired totals."""
+        sums = self.retired + self.all[claimed].sum(axis=0, dtype=np.uint64)
+        return {counter.label: int(sums[counter]) for counter in Counter}
+
+    def retire(self, row: int, clear: Callable[[int], None]) -> None:
+        """Fold `row`'s counters into the retired totals, then `clear(row)` its record (journaled;
+        the caller holds the node section)."""
+        self._journal[:] = self.retired
+        self._idx[H_JOURNAL_ROW : H_JOURNAL_ROW + 4] = _I32.pack(row)
+        self.retired[:] = self.retired + self.all[row]
+        crashpoints.reached(CrashPoint.RETIRING_CLIENT)
+        clear(row)
+        self._idx[H_JOURNAL_ROW : H_JOURNAL_ROW + 4] = _I32.pack(-1)
+
+    def replay(self, clear: Callable[[int], None]) -> None:
+        """Finish a retire its process died in (the caller holds the node section)."""
+        row = _I32.unpack_from(self._idx, H_JOURNAL_ROW)[0]
+        if row >= 0:
+            self.retired[:] = self._journal
+            self.retire(row, clear)

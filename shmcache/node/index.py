@@ -1,0 +1,337 @@
+"""`NodeIndex`: one process's handle on a namespace's shared index, offering whole transactions.
+
+The parts, each in its own module: the byte layout (layout.py), the slot state machine (slots.py),
+sections and their repairs (sections.py), pins (pins.py), client records (clients.py), counters
+(counters.py), attachments (attachments.py), the allocator (allocator.py), the reservation
+protocol (reservations.py), the repairs (repair.py) and the crash-point table (crashpoints.py).
+docs/design.md has the why.
+
+Transactions (each takes the sections it needs, in the lock order node → one stripe):
+`lookup` (find and pin a sealed entry), `reserve` (a hit, our reservation, someone else's, or no
+room), `commit` (allocate, write, seal: one path for computed and pulled values), `abandon`,
+`release` (drop pins), `add_ref`, `drop`, `reap`, `attach` and `detach`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from shmcache.errors import CapacityError, CorruptSegment, ReservationLost
+from shmcache.kernel.namespace import Segments
+from shmcache.node import crashpoints
+from shmcache.node.allocator import ALIGN, Allocator
+from shmcache.node.attachments import AttachmentTable
+from shmcache.node.clients import ClientIdentity, ClientTable
+from shmcache.node.counters import Counters
+from shmcache.node.crashpoints import CrashPoint
+from shmcache.node.layout import MAGIC, Counter, Header
+from shmcache.node.pins import PinTable
+from shmcache.node.repair import Repairs
+from shmcache.node.reservations import Claim, ClaimKind, Reservations
+from shmcache.node.sections import Sections
+from shmcache.node.slots import FailureKind, SealedEntry, SlotState, SlotTable
+
+__all__ = ["NodeIndex"]
+
+Writer = Callable[[int, int], bytes | None]  # (offset, size) -> the entry's attachment, if any
+
+
+class NodeIndex:
+    """One client's handle on a namespace's shared index (see the module docstring)."""
+
+    def __init__(self, segments: Segments, lock_timeout: float) -> None:
+        self.segments = segments
+        self.layout = layout = segments.layout
+        self._idx = idx = memoryview(segments.index)
+        buf = segments.index
+        self.ttl: float | None = Header.read(buf).ttl or None
+        self.capacity = segments.capacity
+        self.slots = SlotTable(idx, layout, buf, self.ttl)
+        self.pins = PinTable(idx, layout, buf)
+        self.clients = ClientTable(idx, layout, buf, segments.sems)
+        self.counters = Counters(idx, layout, buf)
+        self.attachments = AttachmentTable(idx, layout, buf)
+        self.sections = Sections(
+            idx,
+            layout,
+            segments.sems,
+            lock_timeout,
+            repair_stripe=lambda stripe: self.repairs.stripe(stripe),
+            repair_node=lambda: self.repairs.node(),
+        )
+        self.reservations = Reservations(self.slots, segments.sems, self.counters, self.attachments)
+        self.repairs = Repairs(self, self.capacity)
+        self.slots.on_damaged = self.repairs.quarantine
+        self.allocator = Allocator(
+            self.slots, self.sections, self.counters, self.capacity, self.reservations.owner_alive
+        )
+        self.client = -1
+
+    # ------------------------------------------------------------------ attach and detach
+    def attach(self) -> None:
+        """Claim a client record (under the node section), reaping dead clients if all are taken."""
+        with self.sections.node():
+            row = self.clients.claim()
+            if row is None and self.repairs.reap_dead():
+                row = self.clients.claim()
+            if row is None:
+                raise CapacityError(f"all {self.layout.clients} client records are in use (max_clients)")
+            self.client = self.reservations.client = row
+            self.pins.bind(row)
+            self.counters.bind(row)
+            self.repairs.reap_dead()
+
+    def detach(self) -> None:
+        """Release every pin of this client, fold its counters, free its record."""
+        self.release([entry for entry, count in self.pins.held().items() for _ in range(count)])
+        with self.sections.node():
+            self.counters.bind(None)
+            self.counters.retire(self.client, self.clients.clear)
+            self.clients.release(self.client)
+        self.client = -1
+
+    # ------------------------------------------------------------------ lookups
+    def stripe_of(self, needle: bytes) -> int:
+        return int.from_bytes(needle[16:24], "little") % self.layout.stripes
+
+    def lookup(self, needle: bytes, pins: int) -> SealedEntry | None:
+        """A sealed, unexpired entry for `needle`, pinned `pins` times; None on a miss."""
+        stripe = self.stripe_of(needle)
+        with self.sections.stripe(stripe):
+            return self._hit_in(stripe, needle, time.monotonic(), pins)
+
+    def _hit_in(self, stripe: int, needle: bytes, now: float, pins: int) -> SealedEntry | None:
+        table = self.slots
+        for slot in table.find(stripe, needle):
+            record = table.read(slot)
+            if record is None or record.state != SlotState.SEALED:
+                continue
+            if table.expired(slot, now):  # a miss from now on, freed at its last release
+                table.write(slot, record.state, record.retired())
+                if not record.refs:
+                    self.counters.count(Counter.EVICTIONS_TTL)
+                continue
+            if pins:
+                self.pins.add(slot, record.gen, pins)
+                table.write(slot, record.state, record.with_refs(record.refs + pins))
+                crashpoints.reached(CrashPoint.HOLDING_PINS)
+            table.touch(slot, now)
+            return SealedEntry(
+                slot,
+                record.gen,
+                record.offset,
+                record.size,
+                attachment=self.attachments.get(slot, record.gen),
+            )
+        return None
+
+    def is_live(self, slot: int, gen: int, now: float) -> bool:
+        """Lock-free check for a repeat hit: (slot, gen) is still sealed and unexpired."""
+        record, valid = self.slots.raw(slot)
+        return (
+            valid
+            and record.state == SlotState.SEALED
+            and record.gen == gen
+            and not self.slots.expired(slot, now)
+        )
+
+    def touch(self, slot: int, now: float) -> None:
+        """Record an access of `slot` for LRU and TTL (lock-free, approximate by design)."""
+        self.slots.touch(slot, now)
+
+    def entry_state(self, slot: int, gen: int) -> tuple[bool, int]:
+        """(entry (slot, gen) is still indexed, its references), read without a lock."""
+        record, _valid = self.slots.raw(slot)
+        return record.is_entry(gen), record.refs
+
+    # ------------------------------------------------------------------ reservations
+    def reserve(self, needle: bytes, meta: tuple[int, int], pins: int) -> Claim:
+        """One step of get-or-reserve for `needle` (modality and key-kind `meta`), in one stripe
+        section: a pinned hit, our new reservation, another live owner's, or FULL."""
+        stripe = self.stripe_of(needle)
+        now = time.monotonic()
+        with self.sections.stripe(stripe):
+            hit = self._hit_in(stripe, needle, now, pins)
+            if hit is not None:
+                return Claim(ClaimKind.HIT, hit.slot, hit.gen, hit=hit)
+            claim = self.reservations.claim_in(stripe, needle, meta, now)
+        if claim.kind is ClaimKind.OWNER:
+            crashpoints.reached(CrashPoint.RESERVED)
+        return claim
+
+    def wait(self, slot: int, timeout: float) -> None:
+        """Block until slot's reservation ends or its owner dies (`SemaphoreTimeout`)."""
+        self.reservations.wait(slot, timeout)
+
+    def failure(self, slot: int, gen: int) -> tuple[FailureKind, str] | None:
+        return self.slots.failure(slot, gen)
+
+    def owner_pid(self, slot: int) -> int:
+        return self.reservations.owner_pid(slot)
+
+    def commit(self, slot: int, gen: int, nbytes: int, write: Writer, pins: int) -> SealedEntry:
+        """Store a value for our reservation (slot, gen): allocate `nbytes` of arena, `write(offset,
+        size)` the entry there (outside any lock: nobody reads a reservation's extent), then seal
+        it with `pins` pins and the attachment `write` returned.
+
+        Any failure abandons the reservation (waiters learn why: `CapacityError` as uncacheable,
+        anything else as failed) and is raised; `ReservationLost` if it was taken over.
+        """
+        try:
+            offset = self._allocate(slot, gen, nbytes)
+            attachment = write(offset, nbytes)
+            crashpoints.reached(CrashPoint.UNSEALED_PAYLOAD)
+        except CapacityError as exc:
+            self.abandon(slot, gen, FailureKind.UNCACHEABLE, str(exc))
+            raise
+        except BaseException as exc:
+            self.abandon(slot, gen, FailureKind.FAILED, f"{type(exc).__name__}: {exc}")
+            raise
+        sealed = self._seal(slot, gen, pins, attachment)
+        if sealed is None:
+            raise ReservationLost(f"reservation (slot {slot}, gen {gen}) was taken over")
+        return sealed
+
+    def _allocate(self, slot: int, gen: int, nbytes: int) -> int:
+        need = (nbytes + ALIGN - 1) // ALIGN * ALIGN
+        if need > self.capacity:
+            raise CapacityError(f"value of {nbytes} bytes exceeds capacity_bytes={self.capacity}")
+        with self.sections.node():
+            offset = self.allocator.find(need, self.repairs.reap_dead)
+            with self.sections.stripe(slot // self.layout.ways):
+                if not self.reservations.set_extent(slot, gen, offset, need):
+                    raise ReservationLost(f"reservation (slot {slot}, gen {gen}) was taken over")
+        return offset
+
+    def _seal(self, slot: int, gen: int, pins: int, attachment: bytes | None) -> SealedEntry | None:
+        """Fenced seal with `pins` pins for this client (none if it is out of pin records: the entry
+        is sealed for everyone anyway). The reservation semaphore is released whatever happens."""
+        try:
+            with self.sections.stripe(slot // self.layout.ways):
+                record = self.slots.read(slot)
+                if record is None or not record.owned_by(self.client, gen):
+                    return None
+                pinned = True
+                try:
+                    if pins:
+                        self.pins.add(slot, gen, pins)
+                except CapacityError:
+                    pins, pinned = 0, False
+                if attachment is not None:
+                    self.attachments.put(slot, attachment)
+                sealed = self.reservations.seal_in(slot, gen, pins)
+                assert sealed is not None
+                self.reservations.release(slot)
+                return SealedEntry(slot, gen, sealed.offset, sealed.size, pinned, attachment)
+        finally:
+            self.reservations.release(slot)
+
+    def abandon(self, slot: int, gen: int, kind: FailureKind, message: str) -> bool:
+        """Fenced abandon: free our reservation and record why for its waiters. The reservation
+        semaphore is released whatever happens."""
+        try:
+            with self.sections.stripe(slot // self.layout.ways):
+                done = self.reservations.abandon_in(slot, gen, kind, message)
+                self.reservations.release(slot)
+                return done
+        finally:
+            self.reservations.release(slot)
+
+    # ------------------------------------------------------------------ references
+    def release(self, pins: list[tuple[int, int]]) -> None:
+        """Drop one pin per (slot, gen) listed, one stripe section per stripe touched; an
+        unreferenced STALE entry is freed right there."""
+        by_stripe: dict[int, dict[tuple[int, int], int]] = {}
+        for slot, gen in pins:
+            counts = by_stripe.setdefault(slot // self.layout.ways, {})
+            counts[(slot, gen)] = counts.get((slot, gen), 0) + 1
+        for stripe, counts in sorted(by_stripe.items()):
+            with self.sections.stripe(stripe):
+                for (slot, gen), count in counts.items():
+                    self._unpin_in(slot, gen, count)
+
+    def _unpin_in(self, slot: int, gen: int, count: int) -> None:
+        taken = self.pins.remove(slot, gen, count)
+        record = self.slots.read(slot)
+        if taken == 0 or record is None or not record.is_entry(gen):
+            return
+        updated = record.with_refs(max(0, record.refs - taken))
+        if updated.state == SlotState.EMPTY:
+            self.counters.count(Counter.EVICTIONS_TTL)
+        self.slots.write(slot, record.state, updated)
+
+    def add_ref(self, slot: int, gen: int) -> bool:
+        """One more pin on a sealed (slot, gen); False if it is no longer sealed there."""
+        with self.sections.stripe(slot // self.layout.ways):
+            record = self.slots.read(slot)
+            if record is None or record.state != SlotState.SEALED or record.gen != gen:
+                return False
+            self.pins.add(slot, gen, 1)
+            self.slots.write(slot, record.state, record.with_refs(record.refs + 1))
+            return True
+
+    def drop(self, slot: int, gen: int) -> None:
+        """Make a damaged entry unreachable; its memory is freed once nothing references it."""
+        with self.sections.stripe(slot // self.layout.ways):
+            record = self.slots.read(slot)
+            if record is not None and record.is_entry(gen):
+                self.slots.write(slot, record.state, record.retired())
+
+    def held_pins(self) -> dict[tuple[int, int], int]:
+        return self.pins.held()
+
+    # ------------------------------------------------------------------ attachments
+    def attachment(self, slot: int, gen: int) -> bytes | None:
+        """The attachment record of entry (slot, gen), read without a lock."""
+        return self.attachments.get(slot, gen)
+
+    def update_attachment(self, slot: int, gen: int, update: Callable[[bytes], bytes]) -> bool:
+        """Replace entry (slot, gen)'s attachment by `update(old)` under its stripe section;
+        False if it has none."""
+        with self.sections.stripe(slot // self.layout.ways):
+            old = self.attachments.get(slot, gen)
+            if old is None:
+                return False
+            self.attachments.put(slot, update(old))
+            return True
+
+    # ------------------------------------------------------------------ clients and repair
+    @property
+    def identity(self) -> ClientIdentity:
+        """This client: its row, pid and start time."""
+        return self.clients.identity(self.client)
+
+    def client_alive(self, who: ClientIdentity) -> bool:
+        return self.clients.alive(who)
+
+    def live_clients(self) -> np.ndarray:
+        return self.clients.live()
+
+    def any_other_live(self) -> bool:
+        """True if a process other than this one holds a client record (also after `detach`)."""
+        live = self.clients.live()
+        if self.client >= 0:
+            live[self.client] = False
+        return bool(live.any())
+
+    def reap(self) -> int:
+        """Reap dead clients, free reservations whose owner died and repair stripes whose last
+        holder died inside; returns how many clients were reaped."""
+        return self.repairs.reap()
+
+    # ------------------------------------------------------------------ counters and checks
+    def count(self, counter: Counter, n: int = 1) -> None:
+        """Add to this client's counter (node-wide totals are the sum over all records)."""
+        self.counters.count(counter, n)
+
+    def totals(self) -> dict[str, int]:
+        """Node-wide counters: claimed clients' records plus the retired totals."""
+        return self.counters.totals(self.clients.claimed())
+
+    def check_header(self) -> None:
+        """Raise `CorruptSegment` if the header lost its magic (overwritten index)."""
+        if bytes(self._idx[: len(MAGIC)]) != MAGIC:
+            raise CorruptSegment("index header magic was overwritten")

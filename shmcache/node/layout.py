@@ -1,0 +1,281 @@
+"""Every byte of a namespace's index segment and semaphore set: the one place that knows offsets.
+
+Index segment (all little-endian)::
+
+    header      4096 B       `Header` (magic, layout version, settings, semaphore-set id, node-lock
+                             held marker, counter journal row), then retired counters, then the
+                             counter journal
+    stripes     8 B x S      held marker u32, repairs u32
+    slots       80 B x N     `SlotRecord` (state, owner, gen, offset, size, sealed_at, refcount),
+                             crc u32, last_access f64, failure record (gen u64, kind u32),
+                             key meta (modality u8, key kind u8)
+    keys        48 B x N     algorithm u8, digest length u8, 14 B pad, digest 32 B
+    errors      128 B x N    failure message of the slot's last failed reservation (utf-8)
+    attachments 192 B x N    an opaque record a layer above keeps per entry (the GPU layer's CUDA
+                             IPC record); its first 8 bytes are the generation it belongs to
+    clients     (512 + 16 P) B x C   state u32, pid u32, start ticks u64, attached at f64, counters
+                                     at +64, then P pins (slot i32, count u32, gen u64)
+
+Semaphore set: [node lock] [S stripe locks] [N reservations] [C client liveness] [2 signature].
+"""
+
+from __future__ import annotations
+
+import enum
+import mmap
+import struct
+from dataclasses import astuple, dataclass
+from functools import cached_property
+from typing import Final
+
+import numpy as np
+
+from shmcache.errors import CorruptSegment
+from shmcache.keys.key import HASH_ALGORITHMS, KEY_KINDS, MODALITIES, EmbeddingCacheKey
+
+__all__ = [
+    "ATTACHMENT_SIZE",
+    "HEADER_SIZE",
+    "IndexBuffer",
+    "LAYOUT_VERSION",
+    "MAGIC",
+    "NODE_LOCK",
+    "Counter",
+    "Header",
+    "Layout",
+    "key_meta",
+    "needle_of",
+]
+
+IndexBuffer = mmap.mmap | bytearray  # a mapped index segment, or a private copy of one (snapshots)
+
+MAGIC: Final = b"SHMCIDX\x01"
+LAYOUT_VERSION: Final = 2
+NODE_LOCK: Final = 0  # semaphore index of the node lock
+
+
+class Counter(enum.IntEnum):
+    """Node-wide counters, in their order in every client record (stats() names them in lower case)."""
+
+    HITS_PROCESS = 0
+    HITS_NODE = enum.auto()
+    MISSES = enum.auto()
+    COMPUTES = enum.auto()
+    COALESCED_WAITS = enum.auto()
+    TAKEOVERS = enum.auto()
+    EVICTIONS_LRU = enum.auto()
+    EVICTIONS_TTL = enum.auto()
+    PUTS = enum.auto()
+    BYTES_PUT = enum.auto()
+    UNCACHEABLE = enum.auto()
+    COMPUTE_FAILURES = enum.auto()
+    TIMEOUTS = enum.auto()
+    CORRUPT_RECORDS = enum.auto()
+    REPAIRS = enum.auto()
+    REAPED_CLIENTS = enum.auto()
+    HITS_REMOTE = enum.auto()
+    REMOTE_PUBLISHES = enum.auto()
+    REMOTE_PUBLISH_DROPS = enum.auto()
+    REMOTE_ERRORS = enum.auto()
+    REMOTE_REJECTED = enum.auto()
+    GPU_EXPORTS = enum.auto()
+    GPU_EXPORT_SKIPS = enum.auto()
+    GPU_HITS_ALIAS = enum.auto()
+    GPU_HITS_PEER = enum.auto()
+    GPU_HITS_HOST_COPY = enum.auto()
+    GPU_DEAD_EXPORTER = enum.auto()
+
+    @property
+    def label(self) -> str:
+        """The counter's name in stats() and metrics."""
+        return self.name.lower()
+
+
+N_COUNTERS: Final = len(Counter)
+
+# ---------------------------------------------------------------------------------------- header
+HEADER_SIZE: Final = 4096
+_HEADER: Final = struct.Struct("<8sIIIIIIQiIddIIiI")
+H_READY: Final = 12  # u32, set to 1 when every object of the namespace exists
+H_NODE_HELD: Final = 68  # u32, the node lock's held marker
+H_JOURNAL_ROW: Final = 72  # i32, the client row being retired, -1 when none
+H_RETIRED: Final = 128  # u64 x N_COUNTERS: counters of clients that left
+H_JOURNAL: Final = H_RETIRED + 8 * N_COUNTERS  # u64 x N_COUNTERS: the retired totals before a retire
+assert _HEADER.size <= H_RETIRED and H_JOURNAL + 8 * N_COUNTERS <= HEADER_SIZE
+
+
+@dataclass(frozen=True)
+class Header:
+    """The index header. `Header.read` is the only decoder of these bytes."""
+
+    magic: bytes
+    layout_version: int
+    ready: int
+    stripes: int
+    ways: int
+    clients: int
+    pins: int
+    capacity: int
+    semid: int
+    signature: int
+    ttl: float  # 0.0: no TTL
+    created: float
+    algorithm: int  # index into keys.HASH_ALGORITHMS
+    node_held: int
+    journal_row: int
+    mode: int
+
+    @classmethod
+    def read(cls, buf: IndexBuffer | bytes) -> Header:
+        """Decode the header of `buf` (an index mapping); `CorruptSegment` if it is too short or its
+        magic is not ours."""
+        if len(buf) < HEADER_SIZE:
+            raise CorruptSegment("index segment is shorter than its header")
+        header = cls(*_HEADER.unpack_from(buf, 0))
+        if header.magic != MAGIC:
+            raise CorruptSegment(f"index segment has bad magic {header.magic!r}")
+        return header
+
+    def pack(self) -> bytes:
+        return _HEADER.pack(*astuple(self))
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.stripes, self.ways, self.clients, self.pins)
+
+
+# ---------------------------------------------------------------------------------------- slots
+STRIPE_SIZE: Final = 8
+SLOT_RECORD: Final = struct.Struct("<IiQQQdI")  # state, owner, gen, offset, size, sealed_at, refcount
+SLOT_SIZE: Final = 80
+S_CRC: Final = SLOT_RECORD.size  # u32: crc of the record and its key (see slots.py)
+S_LAST_ACCESS: Final = 48  # f64, written without a lock (approximate LRU), outside the crc
+S_FAILURE: Final = 56  # gen u64, kind u32 of the slot's last failed reservation
+FAILURE: Final = struct.Struct("<QI")
+S_META: Final = 68  # modality u8, key kind u8: informational, for inspection
+META: Final = struct.Struct("<BB")
+assert S_CRC == 44 and S_LAST_ACCESS >= S_CRC + 4 and S_FAILURE + FAILURE.size <= S_META
+assert S_META + META.size <= SLOT_SIZE
+KEY_SIZE: Final = 48
+KEY_HEAD: Final = struct.Struct("<BB14x")  # algorithm, digest length; the digest follows at +16
+KEY_DIGEST: Final = 16
+assert KEY_HEAD.size == KEY_DIGEST
+ERROR_SIZE: Final = 128
+ATTACHMENT_SIZE: Final = 192
+
+SLOT_DTYPE: Final = np.dtype(
+    {
+        "names": ["state", "owner", "gen", "offset", "size", "sealed_at", "refcount", "last_access"],
+        "formats": ["<u4", "<i4", "<u8", "<u8", "<u8", "<f8", "<u4", "<f8"],
+        "offsets": [0, 4, 8, 16, 24, 32, 40, S_LAST_ACCESS],
+        "itemsize": SLOT_SIZE,
+    }
+)
+
+
+def needle_of(key: EmbeddingCacheKey) -> bytes:
+    """The 48-byte key record that identifies `key` in the key table."""
+    digest = key.digest
+    return KEY_HEAD.pack(HASH_ALGORITHMS.index(key.algorithm), len(digest)) + digest.ljust(32, b"\0")
+
+
+def key_meta(key: EmbeddingCacheKey) -> tuple[int, int]:
+    """The (modality, key kind) bytes kept beside a slot record, for inspection."""
+    return MODALITIES.index(key.modality), KEY_KINDS.index(key.kind)
+
+
+# ---------------------------------------------------------------------------------------- clients
+CLIENT_HEAD: Final = struct.Struct("<IIQd")  # state (1: claimed), pid, start ticks, attached at (wall)
+CLIENT_HEAD_SIZE: Final = 512
+C_COUNTERS: Final = 64
+PIN: Final = struct.Struct("<iIQ")  # slot, count, gen
+PIN_DTYPE: Final = np.dtype([("slot", "<i4"), ("count", "<u4"), ("gen", "<u8")])
+assert C_COUNTERS + 8 * N_COUNTERS <= CLIENT_HEAD_SIZE and PIN_DTYPE.itemsize == PIN.size
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Offsets of every table, and indices of every semaphore, for given sizes."""
+
+    stripes: int
+    ways: int
+    clients: int
+    pins: int
+
+    @cached_property
+    def slots(self) -> int:
+        return self.stripes * self.ways
+
+    @cached_property
+    def stripes_off(self) -> int:
+        return HEADER_SIZE
+
+    @cached_property
+    def slots_off(self) -> int:
+        return _align(self.stripes_off + STRIPE_SIZE * self.stripes)
+
+    @cached_property
+    def keys_off(self) -> int:
+        return self.slots_off + SLOT_SIZE * self.slots
+
+    @cached_property
+    def errors_off(self) -> int:
+        return self.keys_off + KEY_SIZE * self.slots
+
+    @cached_property
+    def attachments_off(self) -> int:
+        return _align(self.errors_off + ERROR_SIZE * self.slots)
+
+    @cached_property
+    def client_size(self) -> int:
+        return CLIENT_HEAD_SIZE + PIN.size * self.pins
+
+    @cached_property
+    def clients_off(self) -> int:
+        return _align(self.attachments_off + ATTACHMENT_SIZE * self.slots)
+
+    @cached_property
+    def size(self) -> int:
+        return _align(self.clients_off + self.client_size * self.clients, 4096)
+
+    def stripe_sem(self, stripe: int) -> int:
+        return 1 + stripe
+
+    def slot_sem(self, slot: int) -> int:
+        return 1 + self.stripes + slot
+
+    def client_sem(self, client: int) -> int:
+        return 1 + self.stripes + self.slots + client
+
+    @cached_property
+    def signature_sem(self) -> int:
+        return 1 + self.stripes + self.slots + self.clients
+
+    @cached_property
+    def semaphores(self) -> int:
+        return self.signature_sem + 2
+
+    def stripe_off(self, stripe: int) -> int:
+        return self.stripes_off + STRIPE_SIZE * stripe
+
+    def slot_off(self, slot: int) -> int:
+        return self.slots_off + SLOT_SIZE * slot
+
+    def key_off(self, slot: int) -> int:
+        return self.keys_off + KEY_SIZE * slot
+
+    def error_off(self, slot: int) -> int:
+        return self.errors_off + ERROR_SIZE * slot
+
+    def attachment_off(self, slot: int) -> int:
+        return self.attachments_off + ATTACHMENT_SIZE * slot
+
+    def client_off(self, client: int) -> int:
+        return self.clients_off + self.client_size * client
+
+    def pin_off(self, client: int, pin: int) -> int:
+        return self.client_off(client) + CLIENT_HEAD_SIZE + PIN.size * pin
+
+
+def _align(n: int, to: int = 64) -> int:
+    return (n + to - 1) // to * to

@@ -1,0 +1,194 @@
+"""The reservation protocol: one compute per key per node, surviving the computing process's death.
+
+- A reservation is the slot's own semaphore held (+1, SEM_UNDO) by the computing process, and
+  the slot's record RESERVED with that client as owner and a fresh generation.
+- Waiters block in wait-for-zero on that semaphore, so a seal, an abandon or the owner's death
+  wakes them all at once. They wait in slices and look again between them (the slot may have been
+  sealed, evicted and reserved for another key before a waiter started waiting).
+- A RESERVED record whose semaphore is 0 has a dead owner: the next claimer takes it over with
+  gen + 1 (a repair or the allocator may also free it).
+- Seal and abandon are fenced: they apply only if the record is still RESERVED by this client with
+  the same generation. Generations only grow, so (slot, gen) never names two values.
+- Whatever happens in seal and abandon, the semaphore is released before they return or raise.
+- An abandon records why (failed, or uncacheable) with the generation, for the waiters.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from dataclasses import dataclass
+
+from shmcache.kernel.semaphores import SemaphoreSet
+from shmcache.node.attachments import AttachmentTable
+from shmcache.node.counters import Counters
+from shmcache.node.layout import Counter
+from shmcache.node.slots import FailureKind, SealedEntry, SlotRecord, SlotState, SlotTable
+
+__all__ = ["Claim", "ClaimKind", "Reservations"]
+
+
+class ClaimKind(enum.Enum):
+    """What one claim step found."""
+
+    HIT = "hit"  # a sealed entry, pinned as asked
+    OWNER = "owner"  # this process now holds the reservation
+    WAIT = "wait"  # another live process holds it: wait on its slot
+    FULL = "full"  # every way of the key's stripe is referenced or reserved
+
+
+@dataclass(frozen=True)
+class Claim:
+    """Outcome of one claim step; `slot`/`gen` name the reservation to own or wait on."""
+
+    kind: ClaimKind
+    slot: int = -1
+    gen: int = 0
+    takeover: bool = False
+    hit: SealedEntry | None = None
+
+
+class Reservations:
+    """The reservation semaphores of a namespace, and which of them this process holds."""
+
+    def __init__(
+        self, slots: SlotTable, sems: SemaphoreSet, counters: Counters, attachments: AttachmentTable
+    ) -> None:
+        self._slots, self._sems, self._layout = slots, sems, slots.layout
+        self._counters, self._attachments = counters, attachments
+        self._held: set[int] = set()
+        self._lock = threading.Lock()
+        self.client = -1
+
+    # ------------------------------------------------------------------ semaphores
+    def owner_alive(self, slot: int) -> bool:
+        """True if some live process holds slot's reservation semaphore."""
+        return self._sems.value(self._layout.slot_sem(slot)) != 0
+
+    def owner_pid(self, slot: int) -> int:
+        return self._sems.last_pid(self._layout.slot_sem(slot))
+
+    def held(self) -> set[int]:
+        """The slots whose reservation semaphore this process holds."""
+        with self._lock:
+            return set(self._held)
+
+    def _acquire(self, slot: int) -> bool:
+        """Take slot's semaphore without waiting; remember that this process holds it."""
+        if not self._sems.try_acquire(self._layout.slot_sem(slot)):
+            return False
+        with self._lock:
+            self._held.add(slot)
+        return True
+
+    def release(self, slot: int) -> None:
+        """Release slot's semaphore if this process still holds it (waiters wake; if the slot is
+        still RESERVED they take it over with gen + 1, which fencing makes safe)."""
+        with self._lock:
+            held = slot in self._held
+            self._held.discard(slot)
+        if held:
+            self._sems.release(self._layout.slot_sem(slot))
+
+    def wait(self, slot: int, timeout: float) -> None:
+        """Block until slot's reservation is released or its owner dies (`SemaphoreTimeout`)."""
+        self._sems.wait_zero(self._layout.slot_sem(slot), timeout)
+
+    # ------------------------------------------------------------------ claim (in the stripe section)
+    def claim_in(self, stripe: int, needle: bytes, meta: tuple[int, int], now: float) -> Claim:
+        """After a miss in `stripe`: wait on, take over, or make the reservation of `needle`."""
+        table = self._slots
+        for slot in table.find(stripe, needle):
+            record = table.read(slot)
+            if record is None or record.state != SlotState.RESERVED:
+                continue
+            if self.owner_alive(slot) or not self._acquire(slot):
+                return Claim(ClaimKind.WAIT, slot, record.gen)  # a live owner (or it just let go)
+            gen = self._next_gen(slot, record)
+            table.write(slot, record.state, SlotRecord(SlotState.RESERVED, self.client, gen, 0, 0, 0.0, 0))
+            self._counters.count(Counter.TAKEOVERS)
+            return Claim(ClaimKind.OWNER, slot, gen, takeover=True)
+        victim = self._victim_in(stripe, now)
+        if victim is None or not self._acquire(victim):
+            return Claim(ClaimKind.FULL)
+        record = table.read(victim)
+        assert record is not None and record.state == SlotState.EMPTY
+        gen = self._next_gen(victim, record)
+        table.set_key(victim, needle, *meta)
+        table.write(victim, SlotState.EMPTY, SlotRecord(SlotState.RESERVED, self.client, gen, 0, 0, 0.0, 0))
+        return Claim(ClaimKind.OWNER, victim, gen)
+
+    def _next_gen(self, slot: int, record: SlotRecord) -> int:
+        """A generation the slot never had, nor its attachment (a repaired record's generation may
+        have been torn, and must never meet an old attachment again)."""
+        return max(record.gen, self._attachments.gen(slot)) + 1
+
+    def _victim_in(self, stripe: int, now: float) -> int | None:
+        """An EMPTY slot of `stripe` to reserve: a free one, else one made free by evicting an
+        unreferenced sealed entry (expired first, then least recently used), else a dead
+        owner's reservation."""
+        table, ways = self._slots, self._layout.ways
+        best: tuple[int, float] | None = None
+        dead: int | None = None
+        for slot in range(stripe * ways, (stripe + 1) * ways):
+            record = table.read(slot)
+            if record is None:
+                continue
+            if record.state == SlotState.EMPTY:
+                if not self.owner_alive(slot):
+                    return slot
+                continue  # emptied by a repair while its owner lives on: that owner still holds it
+            if record.state == SlotState.SEALED and record.refs == 0:
+                rank = -1.0 if table.expired(slot, now) else table.last_access(slot)
+                if best is None or rank < best[1]:
+                    best = (slot, rank)
+            elif record.state == SlotState.RESERVED and dead is None and not self.owner_alive(slot):
+                dead = slot
+        if best is not None:
+            self._counters.count(Counter.EVICTIONS_TTL if best[1] < 0 else Counter.EVICTIONS_LRU)
+            victim = best[0]
+        elif dead is not None:
+            victim = dead
+        else:
+            return None
+        record = table.read(victim)
+        assert record is not None
+        table.write(victim, record.state, record.freed())
+        return victim
+
+    # ------------------------------------------------------------------ fenced ends (in the stripe section)
+    def set_extent(self, slot: int, gen: int, offset: int, size: int) -> bool:
+        """Give our reservation (slot, gen) its arena extent; False if it was fenced off."""
+        record = self._slots.read(slot)
+        if record is None or not record.owned_by(self.client, gen):
+            return False
+        self._slots.write(slot, record.state, record._replace(offset=offset, size=size))
+        return True
+
+    def seal_in(self, slot: int, gen: int, refs: int) -> SlotRecord | None:
+        """Seal our reservation (slot, gen) with `refs` references; None if fenced off. The caller
+        releases the semaphore (`release`) whatever happens."""
+        record = self._slots.read(slot)
+        if record is None or not record.owned_by(self.client, gen):
+            return None
+        now = time.monotonic()
+        self._slots.touch(slot, now)
+        sealed = record._replace(state=SlotState.SEALED, sealed_at=now, refs=refs)
+        self._slots.write(slot, record.state, sealed)
+        return sealed
+
+    def abandon_in(self, slot: int, gen: int, kind: FailureKind, message: str) -> bool:
+        """Free our reservation (slot, gen) and tell its waiters why; False if fenced off."""
+        record = self._slots.read(slot)
+        if record is None or not record.owned_by(self.client, gen):
+            return False
+        self._slots.record_failure(slot, gen, kind, message)
+        self._slots.write(slot, record.state, record.freed())
+        return True
+
+    def free_dead_in(self, slot: int) -> None:
+        """Free slot's reservation if its owner died."""
+        record = self._slots.read(slot)
+        if record is not None and record.state == SlotState.RESERVED and not self.owner_alive(slot):
+            self._slots.write(slot, record.state, record.freed())

@@ -1,0 +1,118 @@
+"""Critical sections with held markers, and the repairs that run when a holder died inside one.
+
+A section is a SysV semaphore held with SEM_UNDO (the kernel releases it when the holder dies)
+plus a `held` marker in the index: set right after the semaphore is taken, cleared right before it
+is given back after a clean exit. Finding the marker set on entry means the previous holder died
+inside (or left by an exception): the entrant runs the section's repair first, which is
+idempotent and rebuilds only derived state, so it may itself be interrupted and run again.
+
+- A stripe section guards the slot, key, failure and attachment records of one stripe's slots.
+  Its repair (repair.py) re-checks every record of the stripe.
+- The node section guards client records, the counter journal and arena allocation. Its repair
+  (repair.py) replays the counter journal and reaps dead clients.
+
+Lock order: the node section, then at most one stripe section at a time.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable
+from typing import Final
+
+from shmcache.errors import CapacityError, LockTimeout, SemaphoreTimeout
+from shmcache.kernel.semaphores import SemaphoreSet
+from shmcache.node import crashpoints
+from shmcache.node.crashpoints import CrashPoint
+from shmcache.node.layout import H_NODE_HELD, NODE_LOCK, Layout
+
+__all__ = ["Section", "Sections"]
+
+_U32: Final = struct.Struct("<I")
+
+
+class Section:
+    """One held-marker critical section (a context manager; not reentrant)."""
+
+    __slots__ = ("_held_off", "_owner", "_point", "_repair", "_sem", "_what")
+
+    def __init__(
+        self, owner: Sections, sem: int, held_off: int, repair: Callable[[], None], point: CrashPoint
+    ) -> None:
+        self._owner, self._sem, self._held_off, self._repair = owner, sem, held_off, repair
+        self._point = point
+        self._what = "the node lock" if point is CrashPoint.IN_NODE_SECTION else "a stripe lock"
+
+    def __enter__(self) -> None:
+        owner = self._owner
+        if owner.enter(self._sem, self._held_off, self._what):
+            try:
+                self._repair()
+            except BaseException:
+                owner.leave(self._sem, self._held_off, clean=False)
+                raise
+        crashpoints.reached(self._point)
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        # CapacityError is only raised before a section writes anything: that exit is clean too
+        self._owner.leave(self._sem, self._held_off, clean=exc_type is None or exc_type is CapacityError)
+
+
+class Sections:
+    """The stripe and node sections of one namespace. The repairs are given by the index."""
+
+    def __init__(
+        self,
+        idx: memoryview,
+        layout: Layout,
+        sems: SemaphoreSet,
+        lock_timeout: float,
+        *,
+        repair_stripe: Callable[[int], None],
+        repair_node: Callable[[], None],
+    ) -> None:
+        self._idx, self._layout, self._sems, self._timeout = idx, layout, sems, lock_timeout
+        self._repair_stripe, self._repair_node = repair_stripe, repair_node
+
+    def stripe(self, stripe: int) -> Section:
+        """Hold one stripe; repairs it first if its last holder died inside."""
+        return Section(
+            self,
+            self._layout.stripe_sem(stripe),
+            self._layout.stripe_off(stripe),
+            lambda: self._repair_stripe(stripe),
+            CrashPoint.IN_STRIPE_SECTION,
+        )
+
+    def node(self) -> Section:
+        """Hold the node lock (client records, counter journal, allocation)."""
+        return Section(self, NODE_LOCK, H_NODE_HELD, self._repair_node, CrashPoint.IN_NODE_SECTION)
+
+    def stripe_needs_repair(self, stripe: int) -> bool:
+        """True if a holder died inside the stripe's section (read without the lock)."""
+        held: int = _U32.unpack_from(self._idx, self._layout.stripe_off(stripe))[0]
+        return held != 0
+
+    def count_repair(self, stripe: int) -> None:
+        """Count one repair of `stripe` in its own record (shown by shmcache-inspect)."""
+        off = self._layout.stripe_off(stripe) + 4
+        self._idx[off : off + 4] = _U32.pack(_U32.unpack_from(self._idx, off)[0] + 1)
+
+    def enter(self, sem: int, held_off: int, what: str) -> bool:
+        """Take semaphore `sem` and set its held marker; True if the last holder died inside."""
+        try:
+            self._sems.acquire(sem, self._timeout)
+        except SemaphoreTimeout:
+            raise LockTimeout(
+                f"{what} was held for more than lock_timeout_s={self._timeout}s (holder pid "
+                f"{self._sems.last_pid(sem)})"
+            ) from None
+        died_inside: bool = _U32.unpack_from(self._idx, held_off)[0] != 0
+        self._idx[held_off : held_off + 4] = _U32.pack(1)
+        return died_inside
+
+    def leave(self, sem: int, held_off: int, *, clean: bool) -> None:
+        """Clear the held marker (only after a clean exit: else the next holder repairs) and release."""
+        if clean:
+            self._idx[held_off : held_off + 4] = _U32.pack(0)
+        self._sems.release(sem)

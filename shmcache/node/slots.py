@@ -1,0 +1,255 @@
+"""The slot state machine: states, the slot record, the legal transitions, and the one writer.
+
+::
+
+    EMPTY ──reserve──► RESERVED(owner, gen) ──seal (fenced: same owner and gen)──► SEALED
+      ▲                  │   │ allocate: the extent is set (still RESERVED, same gen)       │
+      │                  │   └ takeover of a dead owner: RESERVED(new owner, gen + 1)       │
+      ├──abandon, dead───┘                                                                  │
+      ├──────────────── evict / expire / drop, unreferenced ◄───────────────────────────────┤
+      │                                                      expire / drop, still referenced│
+      └── last release ◄── STALE ◄──────────────────────────────────────────────────────────┘
+
+A pin change rewrites SEALED or STALE as itself. STALE is an entry that is a miss for every new
+lookup (expired, damaged or dropped) whose memory is kept until its last reference is released.
+
+Every write of a record goes through `SlotTable.write`, which checks the transition against
+`TRANSITIONS` and writes the record and its crc in one copy of their bytes: never `pack_into`
+shared memory, which zeroes its target before writing the fields, so a reader without the lock
+(the allocator's snapshot, the eviction scan, repeat hits) would see a live record as EMPTY and
+hand its memory out again. The one unchecked write is `quarantine`, whose old record is unreadable.
+Every caller holds the slot's stripe section (sections.py).
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+import zlib
+from collections.abc import Callable, Iterator
+from typing import Final, NamedTuple
+
+import numpy as np
+
+from shmcache.errors import ProtocolViolation
+from shmcache.node import crashpoints
+from shmcache.node.crashpoints import CrashPoint
+from shmcache.node.layout import (
+    ERROR_SIZE,
+    FAILURE,
+    KEY_SIZE,
+    META,
+    S_CRC,
+    S_FAILURE,
+    S_LAST_ACCESS,
+    S_META,
+    SLOT_DTYPE,
+    SLOT_RECORD,
+    SLOT_SIZE,
+    IndexBuffer,
+    Layout,
+)
+
+__all__ = ["TRANSITIONS", "FailureKind", "SealedEntry", "SlotRecord", "SlotState", "SlotTable"]
+
+
+class SlotState(enum.IntEnum):
+    """A slot's state (see the module docstring)."""
+
+    EMPTY = 0
+    RESERVED = 1
+    SEALED = 2
+    STALE = 3
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+class FailureKind(enum.IntEnum):
+    """Why a reservation ended without a seal, as recorded for its waiters."""
+
+    NONE = 0
+    FAILED = 1  # the compute raised (or the holder gave up): waiters get ComputeFailed
+    UNCACHEABLE = 2  # the value cannot be stored: waiters compute it themselves
+
+
+EMPTY, RESERVED, SEALED, STALE = SlotState
+
+TRANSITIONS: Final[frozenset[tuple[SlotState, SlotState]]] = frozenset(
+    {
+        (EMPTY, RESERVED),  # reserve
+        (RESERVED, RESERVED),  # allocate an extent; take over a dead owner's reservation
+        (RESERVED, SEALED),  # seal
+        (RESERVED, EMPTY),  # abandon; a dead owner's reservation freed
+        (SEALED, SEALED),  # pin, unpin
+        (SEALED, STALE),  # expired or dropped while referenced
+        (SEALED, EMPTY),  # evicted, expired or dropped while unreferenced
+        (STALE, STALE),  # unpin
+        (STALE, EMPTY),  # last release
+        (EMPTY, EMPTY),  # repair rewrites a free record
+    }
+)
+
+
+class SlotRecord(NamedTuple):
+    """The crc-covered part of a slot record."""
+
+    state: SlotState
+    owner: int  # client row of a reservation's owner or of the sealer; -1 when free
+    gen: int
+    offset: int
+    size: int
+    sealed_at: float
+    refs: int
+
+    def owned_by(self, client: int, gen: int) -> bool:
+        """The fence of seal, allocate and abandon: still RESERVED by `client` with `gen`."""
+        return self.state == RESERVED and self.owner == client and self.gen == gen
+
+    def is_entry(self, gen: int) -> bool:
+        """True if this record still holds the entry (slot, `gen`), sealed or stale."""
+        return self.gen == gen and self.state in (SEALED, STALE)
+
+    def freed(self) -> SlotRecord:
+        """The EMPTY record that keeps this generation (generations never repeat)."""
+        return SlotRecord(EMPTY, -1, self.gen, 0, 0, 0.0, 0)
+
+    def retired(self) -> SlotRecord:
+        """Out of the index: STALE while still referenced, else EMPTY."""
+        return self._replace(state=STALE) if self.refs else self.freed()
+
+    def with_refs(self, refs: int) -> SlotRecord:
+        """The same record with `refs` references; an unreferenced STALE record is freed."""
+        if self.state == STALE and refs == 0:
+            return self.freed()
+        return self._replace(refs=refs)
+
+
+class SealedEntry(NamedTuple):
+    """Where a sealed entry lives; `pinned` is False if the pins asked for could not be taken."""
+
+    slot: int
+    gen: int
+    offset: int
+    size: int
+    pinned: bool = True
+    attachment: bytes | None = None  # the entry's attachment record, if it has one
+
+
+_F64 = struct.Struct("<d")
+_U32 = struct.Struct("<I")
+_ZERO_CRC: Final = zlib.crc32(bytes(KEY_SIZE), zlib.crc32(bytes(SLOT_RECORD.size)))
+
+
+class SlotTable:
+    """The slot, key, failure and error records of one mapped index."""
+
+    def __init__(self, idx: memoryview, layout: Layout, buf: IndexBuffer, ttl: float | None) -> None:
+        self.idx = idx
+        self.layout = layout
+        self.ttl = ttl
+        self.on_damaged: Callable[[int], None] = lambda slot: None  # the index quarantines
+        self._slots_off, self._keys_off = layout.slots_off, layout.keys_off
+        self.array = np.ndarray((layout.slots,), SLOT_DTYPE, buffer=buf, offset=layout.slots_off)
+
+    # ------------------------------------------------------------------ records
+    def _crc(self, slot: int, head: bytes | memoryview | None = None) -> int:
+        """CRC of the record (`head`, else the stored one) and its key, xor-ed so that a
+        never-written (all-zero) slot verifies."""
+        off, koff = self._slots_off + SLOT_SIZE * slot, self._keys_off + KEY_SIZE * slot
+        if head is None:
+            head = self.idx[off : off + S_CRC]
+        return zlib.crc32(self.idx[koff : koff + KEY_SIZE], zlib.crc32(head)) ^ _ZERO_CRC
+
+    def raw(self, slot: int) -> tuple[SlotRecord, bool]:
+        """The stored record, unchecked, and whether its crc verifies (no lock needed)."""
+        off = self._slots_off + SLOT_SIZE * slot
+        state, owner, gen, offset, size, sealed_at, refs = SLOT_RECORD.unpack_from(self.idx, off)
+        crc = _U32.unpack_from(self.idx, off + S_CRC)[0]
+        known = state in SlotState._value2member_map_
+        record = SlotRecord(SlotState(state) if known else STALE, owner, gen, offset, size, sealed_at, refs)
+        return record, known and crc == self._crc(slot)
+
+    def read(self, slot: int) -> SlotRecord | None:
+        """The record; None if it fails its crc, after `on_damaged` quarantined it."""
+        record, valid = self.raw(slot)
+        if valid:
+            return record
+        self.on_damaged(slot)
+        return None
+
+    def write(self, slot: int, was: SlotState, record: SlotRecord) -> None:
+        """Replace a record read as state `was` (in the same section) by `record`, after checking
+        the transition; record and crc are written in one copy."""
+        if (was, record.state) not in TRANSITIONS:
+            raise ProtocolViolation(f"slot {slot}: illegal transition {was.label} -> {record.state.label}")
+        self._put(slot, record)
+
+    def quarantine(self, slot: int, record: SlotRecord) -> None:
+        """The unchecked write for a record that failed its crc: `record` must be STALE or EMPTY."""
+        assert record.state in (STALE, EMPTY)
+        self._put(slot, record)
+
+    def _put(self, slot: int, record: SlotRecord) -> None:
+        head = SLOT_RECORD.pack(*record)
+        off = self._slots_off + SLOT_SIZE * slot
+        data = head + _U32.pack(self._crc(slot, head))
+        if crashpoints.armed() is CrashPoint.SLOT_RECORD_TORN and record.state != EMPTY:
+            self.idx[off : off + S_CRC] = head  # a dying writer got the fields out, not the crc
+            crashpoints.reached(CrashPoint.SLOT_RECORD_TORN)
+        self.idx[off : off + S_CRC + 4] = data
+
+    def gen(self, slot: int) -> int:
+        """The slot's current generation, read without a lock."""
+        return int(self.array["gen"][slot])
+
+    # ------------------------------------------------------------------ keys
+    def set_key(self, slot: int, needle: bytes, modality: int, kind: int) -> None:
+        """Name the key a reservation is for (before its record is written: the crc covers it)."""
+        koff = self._keys_off + KEY_SIZE * slot
+        self.idx[koff : koff + KEY_SIZE] = needle
+        moff = self._slots_off + SLOT_SIZE * slot + S_META
+        self.idx[moff : moff + META.size] = META.pack(modality, kind)
+
+    def find(self, stripe: int, needle: bytes) -> Iterator[int]:
+        """Slots of `stripe` whose key record is `needle`."""
+        ways = self.layout.ways
+        base = self._keys_off + KEY_SIZE * stripe * ways
+        blob = bytes(self.idx[base : base + KEY_SIZE * ways])
+        pos = blob.find(needle)
+        while pos >= 0:
+            if pos % KEY_SIZE == 0:
+                yield stripe * ways + pos // KEY_SIZE
+            pos = blob.find(needle, pos + 1)
+
+    # ------------------------------------------------------------------ access times
+    def last_access(self, slot: int) -> float:
+        return float(_F64.unpack_from(self.idx, self._slots_off + SLOT_SIZE * slot + S_LAST_ACCESS)[0])
+
+    def touch(self, slot: int, now: float) -> None:
+        """Record an access for LRU (a lone aligned 8-byte store; approximate by design)."""
+        off = self._slots_off + SLOT_SIZE * slot + S_LAST_ACCESS
+        self.idx[off : off + 8] = _F64.pack(now)
+
+    def expired(self, slot: int, now: float) -> bool:
+        """True if the entry's last access is older than the TTL."""
+        return self.ttl is not None and now - self.last_access(slot) > self.ttl
+
+    # ------------------------------------------------------------------ failures
+    def record_failure(self, slot: int, gen: int, kind: FailureKind, message: str) -> None:
+        """Tell the waiters of reservation (slot, gen) why it ended without a seal."""
+        eoff = self.layout.error_off(slot)
+        raw = message.encode("utf-8", "replace")[:ERROR_SIZE]
+        self.idx[eoff : eoff + ERROR_SIZE] = raw.ljust(ERROR_SIZE, b"\0")
+        off = self._slots_off + SLOT_SIZE * slot + S_FAILURE
+        self.idx[off : off + FAILURE.size] = FAILURE.pack(gen, kind)
+
+    def failure(self, slot: int, gen: int) -> tuple[FailureKind, str] | None:
+        """(kind, message) if the reservation (slot, gen) ended in a recorded failure."""
+        fail_gen, kind = FAILURE.unpack_from(self.idx, self._slots_off + SLOT_SIZE * slot + S_FAILURE)
+        if fail_gen != gen or kind not in (FailureKind.FAILED, FailureKind.UNCACHEABLE):
+            return None
+        eoff = self.layout.error_off(slot)
+        raw = bytes(self.idx[eoff : eoff + ERROR_SIZE]).rstrip(b"\0")
+        return FailureKind(kind), raw.decode("utf-8", "replace")

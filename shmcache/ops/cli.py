@@ -1,0 +1,32 @@
+"""The `shmcache` command: `shmcache demo` (and `python -m shmcache demo`)."""
+
+from __future__ import annotations
+
+import sys
+
+__all__ = ["main"]
+
+USAGE = """usage: shmcache COMMAND [ARGS]
+
+commands:
+  demo      encoder and prefill processes sharing one node cache (see `shmcache demo --help`)
+  inspect   what this node's caches hold and who holds it (the same as `shmcache-inspect`)
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if args else 2
+    command, rest = args[0], args[1:]
+    if command == "demo":
+        from shmcache.ops.demo import main as demo
+
+        return demo(rest)
+    if command == "inspect":
+        from shmcache.ops.inspect import main as inspect
+
+        return inspect(rest)
+    print(f"shmcache: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+    return 2

@@ -1,0 +1,390 @@
+"""A read-only, lock-free snapshot of a namespace: what `shmcache-inspect` and the metrics show.
+
+It maps the index and the arena read-only and takes no lock, so it can neither change nor block
+the cache. The index is copied into private memory in one pass and unmapped at once; everything is
+decoded from that copy through the node layer's own decoders (`Header.read`, `Layout` and the
+slot, pin, client, counter and attachment tables), so the snapshot knows no offset of its own.
+The semaphore values (liveness) are read once, right after the copy. The price of taking no lock
+is that a snapshot taken while processes work may still mix two instants (the copy is not atomic,
+and the arena is read after it: entries whose bytes do not verify are shown without a dtype).
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from typing import Any
+
+import numpy as np
+import posix_ipc
+
+from shmcache.errors import CorruptSegment, CorruptValue, ShmCacheError
+from shmcache.format.decode import describe
+from shmcache.format.entry import ENTRY_HEADER_SIZE
+from shmcache.gpu.record import GpuRecord
+from shmcache.kernel.namespace import object_names
+from shmcache.kernel.semaphores import SemaphoreSet
+from shmcache.keys.key import HASH_ALGORITHMS, KEY_KINDS, MODALITIES
+from shmcache.node.attachments import AttachmentTable
+from shmcache.node.clients import ClientTable
+from shmcache.node.counters import Counters
+from shmcache.node.layout import (
+    CLIENT_HEAD,
+    KEY_DIGEST,
+    KEY_HEAD,
+    KEY_SIZE,
+    LAYOUT_VERSION,
+    META,
+    S_META,
+    Header,
+    IndexBuffer,
+    Layout,
+)
+from shmcache.node.pins import PinTable
+from shmcache.node.slots import SlotRecord, SlotState, SlotTable
+
+__all__ = [
+    "SCHEMA_FILE",
+    "SNAPSHOT_SCHEMA_VERSION",
+    "ClientInfo",
+    "EntryInfo",
+    "NamespaceSnapshot",
+    "ReservationInfo",
+    "json_schema",
+    "take_snapshot",
+]
+
+SNAPSHOT_SCHEMA_VERSION = 2  # 2: entries carry `gpu`
+SCHEMA_FILE = "inspect_schema.json"  # package data of shmcache.ops, beside this module
+
+
+@dataclass(frozen=True)
+class EntryInfo:
+    """One sealed or stale entry."""
+
+    slot: int
+    key: str  # hex digest prefix
+    algorithm: str
+    modality: str
+    key_kind: str
+    state: str
+    generation: int
+    size_bytes: int
+    value_kind: str | None
+    arrays: list[dict[str, Any]]  # [{"dtype": ..., "shape": [...]}]
+    age_s: float
+    ttl_left_s: float | None
+    references: int
+    holder_pids: list[int]
+    gpu: dict[str, Any] | None = None  # the device copy: uuid, exporter pid, alive, withdrawn, bytes
+
+
+@dataclass(frozen=True)
+class ReservationInfo:
+    """A key being computed right now."""
+
+    slot: int
+    key: str
+    generation: int
+    owner_pid: int
+    owner_alive: bool
+
+
+@dataclass(frozen=True)
+class ClientInfo:
+    """An attached process (alive, or dead and not yet reaped)."""
+
+    record: int
+    pid: int
+    alive: bool
+    attached_at: float
+    pins: int
+
+
+@dataclass(frozen=True)
+class NamespaceSnapshot:
+    """Everything `shmcache-inspect show` reports about one namespace."""
+
+    namespace: str
+    uid: int
+    live: bool
+    settings: dict[str, Any]
+    capacity_bytes: int
+    used_bytes: int
+    stats: dict[str, int]
+    entries: list[EntryInfo] = field(default_factory=list)
+    reservations: list[ReservationInfo] = field(default_factory=list)
+    clients: list[ClientInfo] = field(default_factory=list)
+
+    @property
+    def free_bytes(self) -> int:
+        return self.capacity_bytes - self.used_bytes
+
+    def to_json(self) -> dict[str, Any]:
+        """The documented JSON form (docs/inspect.md; its schema: `json_schema()`)."""
+        data = asdict(self)
+        data["schema_version"] = SNAPSHOT_SCHEMA_VERSION
+        data["free_bytes"] = self.free_bytes
+        return data
+
+
+def json_schema() -> dict[str, Any]:
+    """The JSON Schema (2020-12) of `NamespaceSnapshot.to_json`, as installed with the package."""
+    schema: dict[str, Any] = json.loads(resources.files("shmcache.ops").joinpath(SCHEMA_FILE).read_text())
+    return schema
+
+
+def _map_readonly(name: str) -> mmap.mmap | None:
+    try:
+        shm = posix_ipc.SharedMemory(name, read_only=True)
+    except posix_ipc.ExistentialError:
+        return None
+    try:
+        return mmap.mmap(shm.fd, shm.size, prot=mmap.PROT_READ) if shm.size else None
+    finally:
+        shm.close_fd()
+
+
+def _copy_index(name: str) -> bytearray | None:
+    """A private copy of the index segment `name` (one pass; the mapping is closed at once)."""
+    mapped = _map_readonly(name)
+    if mapped is None:
+        return None
+    with mapped:
+        return bytearray(mapped)
+
+
+@dataclass
+class _Index:
+    """The node layer's tables over a private copy of one index, and the liveness read with it."""
+
+    buf: IndexBuffer
+    header: Header
+    layout: Layout
+    slots: SlotTable
+    pins: PinTable
+    clients: ClientTable
+    counters: Counters
+    attachments: AttachmentTable
+    sems: SemaphoreSet
+    sems_readable: bool
+    sem_values: np.ndarray
+    client_alive: np.ndarray  # per client row: claimed and its liveness semaphore is up
+
+    @classmethod
+    def open(cls, namespace: str, buf: IndexBuffer) -> _Index:
+        try:
+            header = Header.read(buf)
+        except CorruptSegment as exc:
+            raise CorruptSegment(f"index of {namespace!r}: {exc}") from None
+        if header.layout_version != LAYOUT_VERSION:
+            raise CorruptSegment(
+                f"index of {namespace!r} has layout {header.layout_version}, expected {LAYOUT_VERSION}"
+            )
+        layout = header.layout
+        if len(buf) < layout.size:
+            raise CorruptSegment(f"index of {namespace!r} is truncated ({len(buf)} of {layout.size} bytes)")
+        idx = memoryview(buf)
+        sems = SemaphoreSet(header.semid, layout.semaphores)
+        readable = sems.probe()
+        values = sems.values() if readable else np.zeros(layout.semaphores, dtype=np.ushort)
+        clients = ClientTable(idx, layout, buf, sems)
+        first = layout.client_sem(0)
+        alive: np.ndarray = (values[first : first + layout.clients] != 0) & clients.claimed()
+        return cls(
+            buf=buf,
+            header=header,
+            layout=layout,
+            slots=SlotTable(idx, layout, buf, header.ttl or None),
+            pins=PinTable(idx, layout, buf),
+            clients=clients,
+            counters=Counters(idx, layout, buf),
+            attachments=AttachmentTable(idx, layout, buf),
+            sems=sems,
+            sems_readable=readable,
+            sem_values=values,
+            client_alive=alive,
+        )
+
+    def key(self, slot: int) -> tuple[str, str]:
+        """(hash algorithm, digest hex) of the slot's key record."""
+        off = self.layout.key_off(slot)
+        algorithm, length = KEY_HEAD.unpack_from(self.buf, off)
+        length = min(length, KEY_SIZE - KEY_DIGEST)
+        digest = bytes(self.buf[off + KEY_DIGEST : off + KEY_DIGEST + length]).hex()
+        return _name(HASH_ALGORITHMS, algorithm), digest
+
+    def meta(self, slot: int) -> tuple[str, str]:
+        """(modality, key kind) kept beside the slot record."""
+        modality, kind = META.unpack_from(self.buf, self.layout.slot_off(slot) + S_META)
+        return _name(MODALITIES, modality), _name(KEY_KINDS, kind)
+
+    def reservation(self, slot: int, digest: str, gen: int) -> ReservationInfo:
+        sem = self.layout.slot_sem(slot)
+        if not self.sems_readable:
+            return ReservationInfo(slot, digest[:16], gen, 0, False)
+        return ReservationInfo(slot, digest[:16], gen, self.sems.last_pid(sem), bool(self.sem_values[sem]))
+
+    def holders(self, slot: int, gen: int) -> list[int]:
+        """Pids of live clients holding pins on entry (slot, gen)."""
+        pins = self.pins.array
+        held = (pins["slot"] == slot) & (pins["gen"] == gen) & (pins["count"] > 0)
+        rows = np.nonzero((held & self.client_alive[:, None]).any(axis=1))[0]
+        return sorted(int(self.clients.pids[row]) for row in rows)
+
+    def gpu(self, slot: int, gen: int) -> dict[str, Any] | None:
+        """The entry's device copy, decoded from its attachment (None: host only)."""
+        record = GpuRecord.from_attachment(self.attachments.get(slot, gen))
+        if record is None:
+            return None
+        exporter = record.exporter  # alive: its record is live and still held by that process
+        alive = 0 <= exporter.row < self.layout.clients and bool(self.client_alive[exporter.row])
+        alive = alive and self.clients.identity(exporter.row) == exporter
+        return {
+            "device_uuid": record.device_uuid.hex(),
+            "exporter_pid": exporter.pid,
+            "exporter_alive": alive,
+            "withdrawn": record.withdrawn,
+            "bytes": record.nbytes,
+        }
+
+    def client_list(self) -> list[ClientInfo]:
+        out = []
+        counts = self.pins.array["count"]
+        for found in np.nonzero(self.clients.claimed())[0]:
+            row = int(found)
+            _state, pid, _ticks, attached = CLIENT_HEAD.unpack_from(self.buf, self.layout.client_off(row))
+            out.append(
+                ClientInfo(row, pid, bool(self.client_alive[row]), attached, int((counts[row] > 0).sum()))
+            )
+        return out
+
+    def scan(self, arena: mmap.mmap | None, now: float) -> tuple[list[EntryInfo], list[ReservationInfo], int]:
+        """Every non-empty slot decoded: the entries, the reservations in flight, and how many sealed
+        entries have a device copy that is not withdrawn."""
+        entries: list[EntryInfo] = []
+        reservations: list[ReservationInfo] = []
+        gpu_entries = 0
+        for found in np.nonzero(self.slots.array["state"] != SlotState.EMPTY)[0]:
+            slot = int(found)
+            record, _valid = self.slots.raw(slot)
+            if record.state == SlotState.RESERVED:
+                reservations.append(self.reservation(slot, self.key(slot)[1], record.gen))
+                continue
+            entry = self.entry(slot, record, arena, now)
+            gpu_entries += (
+                record.state == SlotState.SEALED and entry.gpu is not None and not entry.gpu["withdrawn"]
+            )
+            entries.append(entry)
+        return entries, reservations, gpu_entries
+
+    def entry(self, slot: int, record: SlotRecord, arena: mmap.mmap | None, now: float) -> EntryInfo:
+        """The sealed or stale entry of `slot` (its value described from `arena`), as seen at `now`."""
+        algorithm, digest = self.key(slot)
+        modality, key_kind = self.meta(slot)
+        value_kind, arrays = _describe(arena, record.offset, record.size)
+        ttl = self.header.ttl
+        return EntryInfo(
+            slot=slot,
+            key=digest[:16],
+            algorithm=algorithm,
+            modality=modality,
+            key_kind=key_kind,
+            state=record.state.label,
+            generation=record.gen,
+            size_bytes=record.size,
+            value_kind=value_kind,
+            arrays=arrays,
+            age_s=max(0.0, now - record.sealed_at),
+            ttl_left_s=None if not ttl else max(0.0, ttl - (now - self.slots.last_access(slot))),
+            references=record.refs,
+            holder_pids=self.holders(slot, record.gen),
+            gpu=self.gpu(slot, record.gen),
+        )
+
+    def stats(self, gpu_entries: int) -> dict[str, int]:
+        """The node-wide counter totals, with the slot table's and the liveness figures added."""
+        slots = self.slots.array
+        stats = self.counters.totals(self.clients.claimed())
+        sealed = slots["state"] == SlotState.SEALED
+        stats.update(
+            entries=int(sealed.sum()),
+            bytes=int(slots["size"][sealed].sum()),
+            reserved=int((slots["state"] == SlotState.RESERVED).sum()),
+            stale=int((slots["state"] == SlotState.STALE).sum()),
+            references=int(slots["refcount"].sum()),
+            clients=int(self.client_alive.sum()),
+            gpu_entries=gpu_entries,
+        )
+        return stats
+
+    def settings(self) -> dict[str, Any]:
+        """The namespace's settings, as its header and layout record them."""
+        header, layout = self.header, self.layout
+        return {
+            "stripes": layout.stripes,
+            "ways": layout.ways,
+            "max_entries": layout.slots,
+            "max_clients": layout.clients,
+            "max_pins_per_process": layout.pins,
+            "ttl_s": header.ttl or None,
+            "hash_algorithm": _name(HASH_ALGORITHMS, header.algorithm),
+            "mode": oct(header.mode),
+            "created_at": header.created,
+        }
+
+
+def _name(names: tuple[str, ...], code: int) -> str:
+    return names[code] if code < len(names) else "?"
+
+
+def take_snapshot(
+    namespace: str, uid: int | None = None, *, max_entries: int | None = None
+) -> NamespaceSnapshot:
+    """Snapshot `namespace` (of `uid`, default this user). Raises `ShmCacheError` if it does not exist
+    and `CorruptSegment` if its index is damaged."""
+    uid = os.geteuid() if uid is None else uid
+    names = object_names(namespace, uid)
+    buf = _copy_index(names.index)
+    if buf is None:
+        raise ShmCacheError(f"namespace {namespace!r} of uid {uid} does not exist")
+    node = _Index.open(namespace, buf)
+    now = time.monotonic()
+    arena = _map_readonly(names.arena)
+    try:
+        entries, reservations, gpu_entries = node.scan(arena, now)
+    finally:
+        if arena is not None:
+            arena.close()
+    entries.sort(key=lambda e: -e.size_bytes)
+    if max_entries is not None:
+        entries = entries[:max_entries]
+    stats = node.stats(gpu_entries)
+    slots = node.slots.array
+    return NamespaceSnapshot(
+        namespace=namespace,
+        uid=uid,
+        live=bool(node.client_alive.any()),
+        settings=node.settings(),
+        capacity_bytes=node.header.capacity,
+        used_bytes=int(slots["size"][slots["state"] != SlotState.EMPTY].sum()),
+        stats=stats,
+        entries=entries,
+        reservations=reservations,
+        clients=node.client_list(),
+    )
+
+
+def _describe(arena: mmap.mmap | None, offset: int, size: int) -> tuple[str | None, list[dict[str, Any]]]:
+    if arena is None or size <= ENTRY_HEADER_SIZE or offset + size > len(arena):
+        return None, []
+    try:
+        with memoryview(arena) as whole, whole[offset + ENTRY_HEADER_SIZE : offset + size] as body:
+            kind, arrays = describe(body)
+    except (CorruptValue, ValueError):
+        return None, []
+    return kind, [{"dtype": dtype, "shape": list(shape)} for dtype, shape in arrays]

@@ -1,0 +1,327 @@
+"""`EmbeddingCache`: the public facade every process opens over a namespace.
+
+It composes the process layer: the attachment to the namespace (attachment.py), claims and
+commits (claims.py), returned views and repeat hits (views.py), the release thread (releases.py),
+request references (requests.py), the GPU side (shmcache.gpu) and the remote bridge
+(shmcache.remote). With `enable_embedding_cache=False` it is a pass-through that never touches
+shared memory.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from shmcache.config import CacheConfig
+from shmcache.errors import CacheClosed, CapacityError, InvalidKey
+from shmcache.format.values import Value
+from shmcache.gpu.record import live_mask
+from shmcache.gpu.side import DeviceSide
+from shmcache.kernel.namespace import destroy_namespace
+from shmcache.keys.key import EmbeddingCacheKey, Modality
+from shmcache.keys.preprocessing import EncoderPreprocessingConfig
+from shmcache.node.index import NodeIndex
+from shmcache.node.layout import Counter, needle_of
+from shmcache.node.slots import SlotState
+from shmcache.process.attachment import Attachment
+from shmcache.process.claims import Claims
+from shmcache.process.releases import Releases
+from shmcache.process.requests import RequestRefs
+from shmcache.process.reservation import RequestId, Reservation
+from shmcache.process.views import Views
+from shmcache.remote.bridge import RemoteBridge
+
+__all__ = ["EmbeddingCache", "Reservation", "open_caches"]
+
+log = logging.getLogger("shmcache")
+_open: weakref.WeakSet[EmbeddingCache] = weakref.WeakSet()
+
+
+@atexit.register
+def _detach_at_exit() -> None:
+    """Detach caches still open at interpreter exit, so the last one out removes the namespace."""
+    for cache in list(_open):
+        cache._force_close()
+
+
+def open_caches() -> list[EmbeddingCache]:
+    """The caches of this process that have not detached yet (closed ones may wait for views)."""
+    return list(_open)
+
+
+class EmbeddingCache:
+    """A node-wide cache of encoder outputs shared by every process that opens the same namespace.
+
+    With `enable_embedding_cache=False` it is a pass-through that never touches shared memory.
+    """
+
+    def __init__(self, config: CacheConfig | None = None) -> None:
+        self.config = config = config or CacheConfig()
+        self._enabled = config.enable_embedding_cache
+        self._pid = os.getpid()
+        self._closed = False
+        if not self._enabled:
+            return
+        self._attachment = Attachment.open(config)
+        self._node = node = self._attachment.node
+        self._segments = segments = self._attachment.segments
+        self._device = DeviceSide(
+            node, reads_host=config.gpu_reads == "host", export_bytes=config.gpu_export_bytes
+        )
+        self._detach_lock = threading.RLock()
+        self._detached = False
+        self._requests = RequestRefs()
+        self._releases = Releases(node, self._device, on_idle=self._detach)
+        self._views = Views(node, segments.arena, config, self._device, self._requests, self._releases)
+        self._claims = Claims(node, segments.arena, config, self._views, self._device, self._requests)
+        self._bridge: RemoteBridge | None = None
+        _open.add(self)
+        if config.remote_master is not None:
+            try:
+                self._bridge = self._claims.bridge = RemoteBridge.open(
+                    config, node, segments.arena, self._views
+                )
+            except BaseException:
+                self.close()
+                raise
+
+    # ----------------------------------------------------------------- keys
+    def key_from_raw_bytes(
+        self, data: bytes | bytearray | memoryview, config: EncoderPreprocessingConfig, *, modality: Modality
+    ) -> EmbeddingCacheKey:
+        """`EmbeddingCacheKey.from_raw_bytes` with this cache's hash algorithm and tenant salt."""
+        return EmbeddingCacheKey.from_raw_bytes(
+            data,
+            config,
+            modality=modality,
+            algorithm=self.config.hash_algorithm,
+            tenant_salt=self.config.tenant_salt,
+        )
+
+    def key_from_decoded_tensor(
+        self, tensor: Any, config: EncoderPreprocessingConfig, *, modality: Modality
+    ) -> EmbeddingCacheKey:
+        """`EmbeddingCacheKey.from_decoded_tensor` with this cache's hash algorithm and tenant salt."""
+        return EmbeddingCacheKey.from_decoded_tensor(
+            tensor,
+            config,
+            modality=modality,
+            algorithm=self.config.hash_algorithm,
+            tenant_salt=self.config.tenant_salt,
+        )
+
+    # ----------------------------------------------------------------- public API
+    def get(self, key: EmbeddingCacheKey, request_id: RequestId | None = None) -> Value | None:
+        """The cached value of `key` or None. With `request_id`, the entry is referenced until
+        `cleanup_request(request_id)`: it survives TTL expiry and eviction pressure until then."""
+        if not self._enabled:
+            return None
+        node = self._index()
+        needle = self._needle(key)
+        value = self._views.repeat_hit(needle, key, request_id)
+        if value is not None:
+            return value
+        sealed = node.lookup(needle, pins=self._views.pins_for(request_id))
+        if sealed is None:
+            node.count(Counter.MISSES)
+            return None
+        node.count(Counter.HITS_NODE)
+        return self._views.deliver(key, needle, sealed, request_id)
+
+    def put(self, key: EmbeddingCacheKey, value: Value, request_id: RequestId | None = None) -> None:
+        """Store `value` under `key`. The first writer wins: an existing or in-flight entry is kept.
+
+        Raises `CapacityError` if the value cannot be stored (larger than the cache, or everything
+        referenced) and `UnsupportedValue` for types the value format does not hold.
+        """
+        if not self._enabled:
+            return
+        self._index()
+        res = self._claims.claim(key, self._needle(key), request_id, wait=False, count_hits=False)
+        if res is None or res.value is not None:
+            return
+        if not res.cached:
+            raise CapacityError(f"{key!r}: no slot is free in its stripe (every way is referenced)")
+        res.commit(value, view=False)
+
+    def get_or_compute(
+        self, key: EmbeddingCacheKey, compute_fn: Callable[[], Value], request_id: RequestId | None = None
+    ) -> Value:
+        """The cached value of `key`, computing it with `compute_fn` once per node on a miss.
+
+        Concurrent callers on the node (threads and processes) wait for the one computing; if it
+        fails they get `ComputeFailed` naming the cause; if it dies, one of them takes over.
+        A value that cannot be cached is still returned (counted as `uncacheable`).
+        """
+        if not self._enabled:
+            return compute_fn()
+        with self.reserve(key, request_id) as res:
+            if res.value is not None:
+                return res.value
+            node = self._index()
+            if not res.owned:
+                node.count(Counter.UNCACHEABLE)
+                return compute_fn()
+            node.count(Counter.COMPUTES)
+            try:
+                value = compute_fn()
+            except BaseException as exc:
+                node.count(Counter.COMPUTE_FAILURES)
+                res.abandon(f"{type(exc).__name__}: {exc}")
+                raise
+            try:
+                return res.commit(value)
+            except CapacityError:
+                return value
+
+    def reserve(self, key: EmbeddingCacheKey, request_id: RequestId | None = None) -> Reservation:
+        """Get the value, or the node-wide right to compute it (see `Reservation`). With a remote
+        store, a node miss is pulled from it under the reservation (one pull per node).
+
+        Blocks while another thread or process holds the reservation, at most `compute_timeout_s`
+        (then `ComputeTimeout`). Raises `ComputeFailed` if that holder failed.
+        """
+        if not self._enabled:
+            return Reservation(None, key, request_id)
+        self._index()
+        res = self._claims.claim(key, self._needle(key), request_id, wait=True)
+        assert res is not None
+        if res.owned and self._bridge is not None:
+            try:
+                pulled = self._bridge.pull(res)  # a node miss: look in the store, under our reservation
+            except BaseException:
+                res.abandon("pulling from the remote store failed")
+                raise
+            if pulled is not None:
+                return Reservation(None, key, request_id, value=pulled)
+        return res
+
+    def cleanup_request(self, request_id: RequestId) -> int:
+        """Release every reference taken for `request_id` in this process; returns how many."""
+        if not self._enabled:
+            return 0
+        node = self._index()
+        refs = self._requests.pop(request_id)
+        node.release(refs)
+        return len(refs)
+
+    def stats(self) -> dict[str, int]:
+        """Node-wide counters (summed over every process) and current occupancy."""
+        if not self._enabled:
+            return {}
+        node = self._index()
+        totals = node.totals()
+        slots = node.slots.array
+        sealed = slots["state"] == SlotState.SEALED
+        on_gpu = sealed & live_mask(node)
+        totals.update(
+            entries=int(sealed.sum()),
+            bytes=int(slots["size"][sealed].sum()),
+            gpu_entries=int(on_gpu.sum()),
+            gpu_bytes=int(slots["size"][on_gpu].sum()),
+            gpu_exported_bytes=self._device.exports.nbytes,
+            reserved=int((slots["state"] == SlotState.RESERVED).sum()),
+            stale=int((slots["state"] == SlotState.STALE).sum()),
+            references=int(slots["refcount"].sum()),
+            capacity_bytes=node.capacity,
+            max_entries=node.layout.slots,
+            clients=int(node.live_clients().sum()),
+        )
+        return totals
+
+    def gc(self) -> int:
+        """Reap dead processes' records and pins now, repair what they died inside, and free this
+        process's exported device copies of entries that left; returns how many were reaped."""
+        if not self._enabled:
+            return 0
+        reaped = self._index().reap()
+        self._device.sweep()
+        return reaped
+
+    def close(self) -> None:
+        """Release this process's references and detach; the last process to detach removes the
+        namespace. Views still alive keep their pins until they are garbage collected (or the
+        interpreter exits), and the detach waits for that."""
+        if not self._enabled or self._closed or os.getpid() != self._pid:
+            self._closed = True
+            return
+        for request_id in self._requests.ids():
+            self.cleanup_request(request_id)
+        if self._bridge is not None:
+            self._bridge.close()
+        self._close_device()
+        self._closed = True
+        self._releases.close()
+        self.flush_releases()
+
+    def flush_releases(self) -> None:
+        """Release the pins of views already garbage collected now, in this thread, instead of
+        within the release thread's few milliseconds; a closed cache then finishes its detach."""
+        if not self._enabled:
+            return
+        with self._detach_lock:
+            if self._detached:
+                return
+            idle = self._releases.flush()
+            if idle and self._closed:
+                self._detach()
+
+    def destroy(self) -> None:
+        """Remove the namespace now, whoever is attached (they get `CacheClosed` on their next call)."""
+        if not self._enabled:
+            return
+        self.close()
+        self._attachment.destroyed = True
+        destroy_namespace(self.config.namespace, timeout=self.config.lock_timeout_s)
+
+    def __enter__(self) -> EmbeddingCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------- internals
+    def _index(self) -> NodeIndex:
+        if self._closed:
+            raise CacheClosed("this EmbeddingCache is closed")
+        if os.getpid() != self._pid:
+            raise CacheClosed("an EmbeddingCache cannot be used across fork(); open a new one in the child")
+        return self._node
+
+    def _needle(self, key: EmbeddingCacheKey) -> bytes:
+        if not isinstance(key, EmbeddingCacheKey):
+            raise InvalidKey(f"expected an EmbeddingCacheKey, got {type(key).__name__}")
+        if key.algorithm != self.config.hash_algorithm:
+            raise InvalidKey(
+                f"key uses {key.algorithm}, this cache is configured for {self.config.hash_algorithm}"
+            )
+        return needle_of(key)
+
+    def _force_close(self) -> None:
+        """Detach now even if views are alive (interpreter exit: nothing will read them again)."""
+        if not self._enabled or os.getpid() != self._pid or self._detached:
+            return
+        self._closed = True
+        self._close_device()
+        self._detach()
+
+    def _close_device(self) -> None:
+        try:
+            self._device.close()
+        except Exception as exc:  # a broken CUDA context must not keep this process attached
+            log.warning("shmcache: closing the GPU side failed: %s", str(exc))
+
+    def _detach(self) -> None:
+        with self._detach_lock:
+            if self._detached:
+                return
+            self._releases.stop()
+            self._attachment.detach()
+            self._views.forget()
+            self._detached = True
+            _open.discard(self)

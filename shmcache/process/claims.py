@@ -1,0 +1,183 @@
+"""Claims and commits: how this process gets a value or the right to compute it, and stores it.
+
+`claim` loops over the node's `reserve` transaction: a hit is delivered, our reservation returned,
+and another live process's reservation waited on (in slices, looking again between them) until it
+is sealed, abandoned or its owner dies (then we take over). `commit` encodes a value and runs the
+node's `commit` transaction, which abandons the reservation on any failure.
+"""
+
+from __future__ import annotations
+
+import mmap
+import time
+from typing import Final
+
+from shmcache.config import CacheConfig
+from shmcache.errors import CapacityError, ComputeFailed, ComputeTimeout, SemaphoreTimeout
+from shmcache.format import entry, values
+from shmcache.format.values import Value
+from shmcache.gpu.side import DeviceSide
+from shmcache.keys.key import EmbeddingCacheKey
+from shmcache.node.index import NodeIndex
+from shmcache.node.layout import Counter, key_meta, needle_of
+from shmcache.node.reservations import ClaimKind
+from shmcache.node.slots import FailureKind, SealedEntry
+from shmcache.process.requests import RequestRefs
+from shmcache.process.reservation import RequestId, Reservation
+from shmcache.process.views import Views
+from shmcache.remote.bridge import RemoteBridge
+
+__all__ = ["Claims"]
+
+_WAIT_SLICE_S: Final = 1.0  # a waiter re-checks which key its slot holds at least this often
+
+
+class Claims:
+    """Get-or-reserve and commit for one process (the `ReservationHolder` of its reservations)."""
+
+    def __init__(
+        self,
+        node: NodeIndex,
+        arena: mmap.mmap,
+        config: CacheConfig,
+        views: Views,
+        device: DeviceSide,
+        requests: RequestRefs,
+    ) -> None:
+        self._node, self._arena, self._config = node, arena, config
+        self._views, self._device, self._requests = views, device, requests
+        self.bridge: RemoteBridge | None = None  # set when a remote store is configured
+
+    def claim(
+        self,
+        key: EmbeddingCacheKey,
+        needle: bytes,
+        request_id: RequestId | None,
+        *,
+        wait: bool,
+        count_hits: bool = True,
+    ) -> Reservation | None:
+        """The value of `key` (as a settled reservation), or our reservation of it, or an uncached
+        one when no slot is free; None if another process holds it and `wait` is off."""
+        node = self._node
+        local = self._views.repeat_hit(needle, key, request_id, count=count_hits)
+        if local is not None:
+            return Reservation(self, key, request_id, value=local)
+        deadline = time.monotonic() + self._config.compute_timeout_s
+        reaped = waited = False
+        meta, pins = key_meta(key), self._views.pins_for(request_id)
+        while True:
+            claim = node.reserve(needle, meta, pins)
+            if claim.kind is ClaimKind.HIT:
+                assert claim.hit is not None
+                if count_hits:
+                    node.count(Counter.HITS_NODE)
+                value = self._views.deliver(key, needle, claim.hit, request_id)
+                if value is not None:
+                    return Reservation(self, key, request_id, value=value)
+                continue  # a damaged entry was dropped: look again
+            if claim.kind is ClaimKind.OWNER:
+                node.count(Counter.MISSES)
+                return Reservation(self, key, request_id, slot=claim.slot, gen=claim.gen)
+            if claim.kind is ClaimKind.FULL:
+                if reaped:
+                    return Reservation(self, key, request_id)
+                reaped = True
+                node.reap()
+                continue
+            if not wait:
+                return None
+            if not waited:
+                node.count(Counter.COALESCED_WAITS)
+                waited = True
+            if self._wait(key, claim.slot, deadline) and self._failed_uncacheable(key, claim.slot, claim.gen):
+                return Reservation(self, key, request_id)
+
+    def _failed_uncacheable(self, key: EmbeddingCacheKey, slot: int, gen: int) -> bool:
+        """After the reservation (slot, gen) we waited on ended: True if its value could not be
+        stored (we compute it ourselves, uncached), `ComputeFailed` if its compute failed, False
+        otherwise (look again)."""
+        failure = self._node.failure(slot, gen)
+        if failure is None:
+            return False
+        kind, message = failure
+        if kind is FailureKind.UNCACHEABLE:
+            return True
+        raise ComputeFailed(f"{key!r}: the process computing it failed: {message}")
+
+    def _wait(self, key: EmbeddingCacheKey, slot: int, deadline: float) -> bool:
+        """Wait one slice on slot's reservation; False if the slice ran out before the deadline
+        (the caller looks again: the slot may hold another key by now), `ComputeTimeout` after it."""
+        node = self._node
+        try:
+            node.wait(slot, max(0.0, min(_WAIT_SLICE_S, deadline - time.monotonic())))
+        except SemaphoreTimeout:
+            if time.monotonic() < deadline:
+                return False
+            node.count(Counter.TIMEOUTS)
+            raise ComputeTimeout(
+                f"{key!r}: waited {self._config.compute_timeout_s}s for the compute of pid "
+                f"{node.owner_pid(slot)}"
+            ) from None
+        return True
+
+    # ------------------------------------------------------------------ ReservationHolder
+    def commit(self, reservation: Reservation, value: Value, *, view: bool) -> Value:
+        """Store `value` for `reservation` and seal it; the cached view when `view`, else `value`.
+        A value that cannot be stored raises `CapacityError` (counted as uncacheable)."""
+        node, key, slot, gen = self._node, reservation.key, reservation.slot, reservation.gen
+        request_id = reservation.request_id
+        try:
+            encoded = values.plan(value)
+        except BaseException as exc:
+            node.abandon(slot, gen, FailureKind.FAILED, f"{type(exc).__name__}: {exc}")
+            raise
+        exported = False
+
+        def write(offset: int, size: int) -> bytes | None:
+            nonlocal exported
+            target = memoryview(self._arena)[offset : offset + size]
+            try:
+                entry.write_entry(target, key, gen, encoded, checksum=self._config.debug_check_views)
+            finally:
+                target.release()
+            record = self._device.export(encoded, slot, gen)
+            exported = record is not None
+            return None if record is None else record.pack()
+
+        pins = self._views.pins_for(request_id) if view else int(request_id is not None)
+        try:
+            sealed = node.commit(slot, gen, entry.entry_size(encoded), write, pins)
+        except CapacityError:
+            node.count(Counter.UNCACHEABLE)
+            raise
+        finally:
+            if exported:
+                self._settle_export(slot, gen)
+        node.count(Counter.PUTS)
+        node.count(Counter.BYTES_PUT, sealed.size)
+        if self.bridge is not None:
+            self.bridge.publish(key, sealed)
+        return self._hand_out(reservation, value, sealed, view=view)
+
+    def _settle_export(self, slot: int, gen: int) -> None:
+        """After a seal (or its failure): our device copy is read by others only if its record
+        made it into the index."""
+        if self._node.attachment(slot, gen) is None:
+            self._device.exports.discard(slot, gen)  # fenced off: nobody will read our copy
+        else:
+            self._device.exports.published(slot, gen)
+
+    def _hand_out(self, reservation: Reservation, value: Value, sealed: SealedEntry, *, view: bool) -> Value:
+        if not sealed.pinned:
+            return value  # stored for everyone; this process is out of pins, so it keeps its own value
+        request_id = reservation.request_id
+        if not view:
+            if request_id is not None:
+                self._requests.add(request_id, sealed.slot, sealed.gen)
+            return value
+        result = self._views.deliver(reservation.key, needle_of(reservation.key), sealed, request_id)
+        return value if result is None else result
+
+    def abandon(self, reservation: Reservation, reason: str) -> None:
+        self._node.abandon(reservation.slot, reservation.gen, FailureKind.FAILED, reason)

@@ -1,0 +1,89 @@
+"""`Reservation`: the right to compute one key node-wide, or the value if it already existed."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any, Protocol
+
+from shmcache.errors import ReservationLost
+from shmcache.format.values import Value
+from shmcache.keys.key import EmbeddingCacheKey
+
+__all__ = ["RequestId", "Reservation", "ReservationHolder"]
+
+RequestId = Hashable
+
+
+class ReservationHolder(Protocol):
+    """What a `Reservation` asks of the process layer that made it."""
+
+    def commit(self, reservation: Reservation, value: Value, *, view: bool) -> Value:
+        """Store `value` for the reservation; the cached view if `view`, else `value`."""
+
+    def abandon(self, reservation: Reservation, reason: str) -> None:
+        """Give the reservation up, telling its waiters `reason`."""
+
+
+class Reservation:
+    """The right to compute one key, or the value if it already existed.
+
+    `value` is set on a hit. Otherwise the holder computes and calls `commit(value)` (which returns
+    the cached view) or `abandon()`. As a context manager it abandons on an exception and on exit
+    without a commit. A reservation that could not be cached (value too large, no free slot)
+    has `cached=False`: `commit` then returns the value as given.
+    """
+
+    def __init__(
+        self,
+        holder: ReservationHolder | None,
+        key: EmbeddingCacheKey,
+        request_id: RequestId | None,
+        *,
+        value: Value | None = None,
+        slot: int = -1,
+        gen: int = 0,
+    ) -> None:
+        self._holder = holder
+        self.key = key
+        self.request_id = request_id
+        self.value = value
+        self.slot = slot
+        self.gen = gen
+        self._open = value is None
+
+    @property
+    def owned(self) -> bool:
+        """True while this reservation holds the node-wide right to compute the key."""
+        return self._open and self.slot >= 0
+
+    @property
+    def cached(self) -> bool:
+        """False when a commit will not be stored (no room), True otherwise."""
+        return self.value is not None or self.slot >= 0
+
+    def commit(self, value: Value, *, view: bool = True) -> Value:
+        """Store `value`, wake every waiter, and return the cached view (or `value` itself when
+        uncached, or with `view=False`)."""
+        if not self._open:
+            raise ReservationLost(f"{self.key!r}: this reservation was already committed or abandoned")
+        self._open = False
+        if self._holder is None or self.slot < 0:
+            self.value = value
+            return value
+        self.value = self._holder.commit(self, value, view=view)
+        return self.value
+
+    def abandon(self, reason: str = "abandoned") -> None:
+        """Give the key up: waiters are woken and the first of them computes it instead."""
+        if self._open:
+            self._open = False
+            if self._holder is not None and self.slot >= 0:
+                self._holder.abandon(self, reason)
+
+    def __enter__(self) -> Reservation:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        if self._open:
+            cause = f"{exc_type.__name__}: {exc}" if exc_type is not None else "not committed"
+            self.abandon(cause)

@@ -1,0 +1,172 @@
+"""Views: turning a pinned entry into the value returned to the caller, and repeat hits.
+
+Per process there is one live mapping per entry: a holder array made straight from the arena
+mapping (every returned array derives from it, so its finalizer runs only after the last view
+dies and then releases the view pin) and the parsed value format. A repeat hit of the same key
+reuses it without a lock after a lock-free check that (slot, gen) is still sealed and unexpired.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from shmcache.config import CacheConfig
+from shmcache.errors import CorruptValue, ViewMutated
+from shmcache.format import decode, entry
+from shmcache.format.values import Value
+from shmcache.gpu.record import GpuRecord
+from shmcache.gpu.side import DeviceSide
+from shmcache.keys.key import EmbeddingCacheKey
+from shmcache.node.index import NodeIndex
+from shmcache.node.layout import Counter
+from shmcache.node.slots import SealedEntry
+from shmcache.process.releases import Releases
+from shmcache.process.requests import RequestRefs
+from shmcache.process.reservation import RequestId
+
+__all__ = ["Views"]
+
+log = logging.getLogger("shmcache")
+
+
+def _weak(value: Value) -> weakref.ref[Any] | None:
+    """A weak reference to `value` where its type allows one (dicts and lists do not)."""
+    try:
+        return weakref.ref(value)
+    except TypeError:
+        return None
+
+
+@dataclass(frozen=True)
+class _Mapping:
+    """This process's live zero-copy mapping of one entry."""
+
+    slot: int
+    gen: int
+    holder: weakref.ref[np.ndarray]  # the entry's bytes; alive while any returned view is
+    parsed: decode.ParsedValue
+    template: weakref.ref[Any] | None  # a value returned earlier, aliased by repeat hits
+    aliases: GpuRecord | None = None  # the template aliases this exporter's device memory
+
+
+class Views:
+    """Builds returned values over the arena and serves repeat hits from live mappings."""
+
+    def __init__(
+        self,
+        node: NodeIndex,
+        arena: mmap.mmap,
+        config: CacheConfig,
+        device: DeviceSide,
+        requests: RequestRefs,
+        releases: Releases,
+    ) -> None:
+        self._node, self._arena, self._config, self._device = node, arena, config, device
+        self._requests, self._releases = requests, releases
+        self._clone = config.return_mode == "clone"
+        self._local: dict[bytes, _Mapping] = {}
+        self._lock = threading.Lock()
+
+    def pins_for(self, request_id: RequestId | None) -> int:
+        """Pins a delivery takes: a view pin in view mode, plus a request ref. In clone mode
+        without a request, one pin covers the copy and is released right after it."""
+        return max(int(not self._clone) + int(request_id is not None), 1)
+
+    def forget(self) -> None:
+        """Drop every live mapping (detach)."""
+        with self._lock:
+            self._local.clear()
+
+    def deliver(
+        self, key: EmbeddingCacheKey, needle: bytes, sealed: SealedEntry, request_id: RequestId | None
+    ) -> Value | None:
+        """Turn an entry pinned `pins_for(request_id)` times into the returned value; None (pins
+        given back, entry dropped) if it fails verification."""
+        node, slot, gen = self._node, sealed.slot, sealed.gen
+        # made straight from the mapping (not sliced from another array), so that every array
+        # derived from it keeps it as its base: its finalizer then releases the view pin
+        holder = np.frombuffer(self._arena, dtype=np.uint8, count=sealed.size, offset=sealed.offset)
+        try:
+            value, parsed, aliased = self._build(key, holder, sealed)
+        except CorruptValue as exc:
+            node.count(Counter.CORRUPT_RECORDS)
+            log.warning("shmcache: dropping entry %r: %s", key, str(exc))
+            node.release([(slot, gen)] * self.pins_for(request_id))
+            node.drop(slot, gen)
+            return None
+        except BaseException:  # ViewMutated, MemoryError, ...: give the pins back, then report it
+            node.release([(slot, gen)] * self.pins_for(request_id))
+            raise
+        if request_id is not None:
+            self._requests.add(request_id, slot, gen)
+        if self._clone:
+            if request_id is None:
+                node.release([(slot, gen)])  # the pin only covered the copy
+            return value
+        record = GpuRecord.from_attachment(sealed.attachment) if aliased else None
+        mapping = _Mapping(slot, gen, weakref.ref(holder), parsed, _weak(value), record)
+        with self._lock:
+            self._local[needle] = mapping
+        self._releases.opened()
+        weakref.finalize(holder, self._releases.enqueue, (slot, gen))
+        return value
+
+    def _build(
+        self, key: EmbeddingCacheKey, holder: np.ndarray, sealed: SealedEntry
+    ) -> tuple[Value, decode.ParsedValue, bool]:
+        """(value, its parsed format, whether it aliases device memory of the exporter)."""
+        body = entry.verify(holder.data, key, sealed.gen)
+        self.check_unmodified(key, holder, sealed.slot, sealed.gen)
+        parsed = decode.parse(body)
+        if parsed.on_device:
+            on_device = self._device.materialize(holder, sealed, parsed, copy=self._clone)
+            if on_device is not None:
+                value, aliased = on_device
+                return value, parsed, aliased
+        value = decode.materialize(holder, parsed, copy=self._clone, base=entry.ENTRY_HEADER_SIZE)
+        return value, parsed, False
+
+    def check_unmodified(self, key: EmbeddingCacheKey, holder: np.ndarray, slot: int, gen: int) -> None:
+        """Debug mode: verify the entry's checksum; a mismatch means a view was written to."""
+        if self._config.debug_check_views and not entry.checksum_matches(holder.data):
+            self._node.count(Counter.CORRUPT_RECORDS)
+            self._node.drop(slot, gen)
+            raise ViewMutated(f"{key!r}: a returned view was written to; the entry was dropped")
+
+    def repeat_hit(
+        self, needle: bytes, key: EmbeddingCacheKey, request_id: RequestId | None, *, count: bool = True
+    ) -> Value | None:
+        """A repeat hit served from this process's live mapping: no lock unless a ref is taken."""
+        found = self._local.get(needle)
+        holder = found.holder() if found is not None else None
+        if found is None or holder is None:
+            return None
+        node, slot, gen = self._node, found.slot, found.gen
+        now = time.monotonic()
+        if not node.is_live(slot, gen, now):
+            return None
+        template = found.template() if found.template is not None else None
+        if found.parsed.on_device and self._device.reader() is not None:
+            if template is None:
+                return None  # a GPU entry's device arrays are made by a full delivery (its route)
+            if found.aliases is not None and not self._device.still_aliasable(slot, found.aliases):
+                return None  # its exporter died or withdrew it: no new aliases of that memory
+        self.check_unmodified(key, holder, slot, gen)
+        if request_id is not None:
+            if not node.add_ref(slot, gen):
+                return None
+            self._requests.add(request_id, slot, gen)
+        node.touch(slot, now)
+        if count:
+            node.count(Counter.HITS_PROCESS)
+        if template is not None:
+            return decode.alias(template)
+        return decode.materialize(holder, found.parsed, base=entry.ENTRY_HEADER_SIZE)

@@ -1,0 +1,143 @@
+"""The bridge between the node layer and Mooncake Store: pull on a node miss, publish after a compute.
+
+A pull runs under the node reservation (N processes of a node that miss together cause one pull).
+The transfer lands in a private staging buffer first (Mooncake may still write into memory after a
+failed or timed-out call, which must never be arena memory that others read), is verified (entry
+header and value format), then sealed through the node's one commit transaction. A publish pins
+the entry until the store has read it, and never blocks (store.py's bounded queue).
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import threading
+
+import numpy as np
+
+from shmcache.config import CacheConfig
+from shmcache.errors import CapacityError, CorruptValue
+from shmcache.format import decode, entry
+from shmcache.format.values import Value
+from shmcache.keys.key import EmbeddingCacheKey
+from shmcache.node.index import NodeIndex
+from shmcache.node.layout import Counter, needle_of
+from shmcache.node.slots import SealedEntry
+from shmcache.process.reservation import Reservation
+from shmcache.process.views import Views
+from shmcache.remote.store import RemoteStore, remote_key
+
+__all__ = ["RemoteBridge"]
+
+log = logging.getLogger("shmcache")
+
+
+class RemoteBridge:
+    """One process's link from its node index to the remote store."""
+
+    def __init__(
+        self, store: RemoteStore, node: NodeIndex, arena: mmap.mmap, views: Views, prefix: str
+    ) -> None:
+        self.store, self._node, self._arena, self._views, self._prefix = store, node, arena, views, prefix
+        address = np.frombuffer(arena, dtype=np.uint8)
+        self._arena_address = int(address.ctypes.data)
+        store.register(self._arena_address, address.nbytes)
+        del address
+        self._staging: np.ndarray | None = None
+        self._lock = threading.Lock()
+        self._poisoned: list[np.ndarray] = []  # staging buffers a failed transfer may still write into
+
+    @classmethod
+    def open(cls, config: CacheConfig, node: NodeIndex, arena: mmap.mmap, views: Views) -> RemoteBridge:
+        """Connect to `config.remote_master` (`RemoteUnavailable` in strict mode if it is down)."""
+        assert config.remote_master is not None
+        store = RemoteStore(
+            config.remote_master,
+            protocol=config.remote_protocol,
+            segment_bytes=config.remote_segment_bytes,
+            buffer_bytes=config.remote_buffer_bytes,
+            queue_size=config.remote_publish_queue,
+            strict=config.store_unavailable_mode == "strict",
+            count=node.count,
+        )
+        return cls(store, node, arena, views, config.remote_key_prefix)
+
+    def close(self) -> None:
+        """Finish queued publishes (they hold pins), then disconnect."""
+        self.store.close()
+
+    def pull(self, reservation: Reservation) -> Value | None:
+        """Under our `reservation`: copy the key's entry from the store into node memory and seal
+        it; the value, or None on any miss (the reservation is then still ours)."""
+        if not self.store.available:
+            return None
+        node, key = self._node, reservation.key
+        name = remote_key(self._prefix, key)
+        size = self.store.size_of(name)
+        if size is None:
+            return None
+        if size <= entry.ENTRY_HEADER_SIZE or size > node.capacity:
+            node.count(Counter.REMOTE_REJECTED)
+            return None
+        with self._lock:
+            staging = self._fetch(name, size)
+            if staging is None:
+                return None
+            try:
+                decode.parse(entry.verify(staging.data, key, None))
+            except CorruptValue as exc:
+                node.count(Counter.REMOTE_REJECTED)
+                log.warning("shmcache: rejected remote value %s: %s", name, str(exc))  # not exc: frames
+                return None
+            value = self._seal(reservation, staging)
+        node.count(Counter.HITS_REMOTE)
+        return value
+
+    def _fetch(self, name: str, size: int) -> np.ndarray | None:
+        """`size` bytes of `name` in the staging buffer (grown and registered as needed)."""
+        staging = self._staging
+        if staging is None or staging.nbytes < size:
+            staging = self._staging = np.empty(max(size, 1 << 20), dtype=np.uint8)
+            self.store.register(staging.ctypes.data, staging.nbytes)
+        if not self.store.get_into(name, staging.ctypes.data, size):
+            self._poisoned.append(staging)  # a late write may still land there: never reuse it
+            self._staging = None
+            return None
+        return staging[:size]
+
+    def _seal(self, reservation: Reservation, data: np.ndarray) -> Value:
+        """Seal a verified pulled entry under `reservation` and deliver it; a private copy when
+        the node has no room for it or this process no pins left."""
+        slot, gen, request_id = reservation.slot, reservation.gen, reservation.request_id
+
+        def write(offset: int, size: int) -> None:
+            arena = np.frombuffer(self._arena, dtype=np.uint8, count=size, offset=offset)
+            arena[:] = data
+            entry.set_generation(arena.data, gen)
+
+        try:
+            sealed = self._node.commit(slot, gen, data.nbytes, write, self._views.pins_for(request_id))
+        except CapacityError:
+            sealed = None
+        if sealed is not None and sealed.pinned:
+            value = self._views.deliver(reservation.key, needle_of(reservation.key), sealed, request_id)
+            if value is not None:
+                return value
+        return decode.decode(data[entry.ENTRY_HEADER_SIZE :], copy=True)
+
+    def publish(self, key: EmbeddingCacheKey, sealed: SealedEntry) -> None:
+        """Queue the publish of a freshly computed entry, pinned until the store has read it."""
+        node, slot, gen = self._node, sealed.slot, sealed.gen
+        if not self.store.available:
+            return
+        try:
+            if not node.add_ref(slot, gen):
+                return
+        except Exception as exc:  # out of pins, a lock timeout: the value is stored, skip the publish
+            node.count(Counter.REMOTE_PUBLISH_DROPS)
+            log.info("shmcache: not publishing %r: %s", key, str(exc))
+            return
+        name = remote_key(self._prefix, key)
+        address = self._arena_address + sealed.offset
+        if not self.store.publish(name, address, sealed.size, lambda: node.release([(slot, gen)])):
+            node.release([(slot, gen)])

@@ -1,0 +1,74 @@
+"""A real Mooncake master on loopback, for tests and benchmarks of the remote layer.
+
+The pytest plugin's `shmcache_mooncake` fixture wraps it (and skips when `missing()` says why it
+cannot run); tools/bench.py and tools/bench_remote.py start one per run.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+from shmcache.remote.store import free_port
+
+__all__ = ["MooncakeMaster"]
+
+
+class MooncakeMaster:
+    """A real `mooncake_master` bound to 127.0.0.1 on free ports (never the HTTP metadata server)."""
+
+    def __init__(self, timeout: float = 20.0) -> None:
+        self.port, metrics = free_port(), free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.process = subprocess.Popen(
+            [
+                self.binary(),
+                f"--rpc_port={self.port}",
+                "--rpc_address=127.0.0.1",
+                "--metrics_host=127.0.0.1",
+                f"--metrics_port={metrics}",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                    return
+            except OSError:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    self.kill()
+                    raise RuntimeError(f"mooncake_master did not start on {self.address}") from None
+                time.sleep(0.05)
+
+    @staticmethod
+    def binary() -> str:
+        found = shutil.which("mooncake_master") or os.path.join(
+            os.path.dirname(sys.executable), "mooncake_master"
+        )
+        return found
+
+    @classmethod
+    def missing(cls) -> str | None:
+        """Why Mooncake cannot run here (None if it can)."""
+        try:
+            import mooncake.store  # noqa: F401
+        except ImportError as exc:
+            return (
+                f"`import mooncake.store` failed ({exc}); pip install 'shmcache[mooncake]' and apt-get "
+                "install libibverbs1 librdmacm1 libnuma1"
+            )
+        if not os.access(cls.binary(), os.X_OK):
+            return "the mooncake_master program is not installed"
+        return None
+
+    def kill(self) -> None:
+        """SIGKILL the master (as a crash would) and reap it."""
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(10)
