@@ -21,7 +21,7 @@ from shmcache.format.values import HiddenStatePrefix
 from shmcache.kernel.namespace import destroy_namespace, list_namespaces
 from shmcache.keys.key import EmbeddingCacheKey
 from shmcache.keys.preprocessing import EncoderPreprocessingConfig
-from shmcache.process.cache import EmbeddingCache, Reservation
+from shmcache.process.cache import EmbeddingCache, Reservation, ReservationTicket
 
 __version__ = "0.1.0"
 
@@ -43,6 +43,7 @@ __all__ = [
     "LayoutMismatch",
     "Reservation",
     "ReservationLost",
+    "ReservationTicket",
     "ShmCacheError",
     "UnsupportedValue",
     "ViewMutated",

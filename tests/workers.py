@@ -194,3 +194,44 @@ def churn_refs(config: CacheConfig, name: str, ready: str, stop: str) -> None:
             for _ in range(200):
                 assert node.add_ref(info.slot, info.gen)
                 node.release([(info.slot, info.gen)])
+
+
+def adopt_then(config: CacheConfig, ticket: Any, name: str, adopted: str, go: str | None) -> None:
+    """Adopt the reservation of `name` from `ticket`, report it in the file `adopted`; then commit
+    when the file `go` appears, or (go None) wait to be SIGKILLed holding it."""
+    cache = EmbeddingCache(config)
+    res = cache.adopt(ticket, key_of(name))
+    Path(adopted).write_text("adopted" if res is not None else "lost")
+    if res is None or go is None:
+        time.sleep(3600)
+        return
+    while not Path(go).exists():
+        time.sleep(0.01)
+    res.commit(expected_value(name))
+    cache.close()
+
+
+def hand_over_then_wait(config: CacheConfig, name: str, ticket_path: str) -> None:
+    """Reserve `name`, hand it over (the ticket pickled to `ticket_path`), wait to be SIGKILLed."""
+    import pickle
+
+    cache = EmbeddingCache(config)
+    res = cache.try_reserve(key_of(name))
+    assert res is not None and res.owned
+    Path(ticket_path + ".tmp").write_bytes(pickle.dumps(res.hand_over()))
+    os.rename(ticket_path + ".tmp", ticket_path)
+    time.sleep(3600)
+
+
+def get_or_compute_to(config: CacheConfig, name: str, out: str) -> None:
+    """get_or_compute `name` and write 'computed ' or 'waited ' plus the value's fingerprint to `out`."""
+    computed = []
+
+    def compute() -> torch.Tensor:
+        computed.append(True)
+        return expected_value(name)
+
+    with EmbeddingCache(config) as cache:
+        value = cache.get_or_compute(key_of(name), compute)
+        how = "computed" if computed else "waited"
+        Path(out).write_text(f"{how} {fingerprint(value).hex()}")

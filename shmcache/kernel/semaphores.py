@@ -130,6 +130,17 @@ class SemaphoreSet:
         _raise_errno("try_acquire")
         return False  # pragma: no cover
 
+    def join(self, index: int) -> bool:
+        """Add this process's hold to a semaphore some process holds (value >= 1 -> value + 1),
+        atomically and without waiting; False if its value is 0. Undone by the kernel at death,
+        like `acquire`. A reservation changes hands this way without its value ever being 0."""
+        if _semtimedop(self.semid, self._ops("join", index), 2, None) == 0:
+            return True
+        if ctypes.get_errno() in (errno.EAGAIN, errno.EINTR):
+            return False
+        _raise_errno("join")
+        return False  # pragma: no cover
+
     def release(self, index: int) -> None:
         """Undo this process's `acquire` (value 1 -> 0, wakes every waiter for zero)."""
         if _semtimedop(self.semid, self._ops("release", index), 1, None) != 0:
@@ -148,6 +159,8 @@ class SemaphoreSet:
                 "acquire": ((index, 0, 0), (index, 1, _SEM_UNDO)),
                 "try_acquire": ((index, 0, _IPC_NOWAIT), (index, 1, _SEM_UNDO | _IPC_NOWAIT)),
                 "release": ((index, -1, _SEM_UNDO | _IPC_NOWAIT),),
+                # -1 then +2 as one operation: fails while the value is 0; net +1, undone at death
+                "join": ((index, -1, _SEM_UNDO | _IPC_NOWAIT), (index, 2, _SEM_UNDO | _IPC_NOWAIT)),
                 "wait_zero": ((index, 0, 0),),
             }[what]
             ops = self._prebuilt[key] = (_Sembuf * len(spec))(*(_Sembuf(*op) for op in spec))

@@ -9,7 +9,8 @@ docs/design.md has the why.
 Transactions (each takes the sections it needs, in the lock order node → one stripe):
 `lookup` (find and pin a sealed entry), `reserve` (a hit, our reservation, someone else's, or no
 room), `commit` (allocate, write, seal: one path for computed and pulled values), `abandon`,
-`release` (drop pins), `add_ref`, `drop`, `reap`, `attach` and `detach`.
+`adopt` / `let_go` (hand a reservation to another process), `release` (drop pins), `add_ref`,
+`drop`, `reap`, `attach` and `detach`.
 """
 
 from __future__ import annotations
@@ -239,6 +240,18 @@ class NodeIndex:
                 return done
         finally:
             self.reservations.release(slot)
+
+    def adopt(self, slot: int, gen: int, giver: int) -> bool:
+        """Take over reservation (slot, gen) from client `giver`, a live process that hands it to
+        us; False if it is not the giver's any more. The giver then calls `let_go`."""
+        with self.sections.stripe(slot // self.layout.ways):
+            return self.reservations.adopt_in(slot, gen, giver)
+
+    def let_go(self, slot: int, gen: int) -> bool:
+        """Release our hold of a reservation we handed over, once it was adopted (or ended);
+        False while it is still ours."""
+        with self.sections.stripe(slot // self.layout.ways):
+            return self.reservations.let_go_in(slot, gen)
 
     # ------------------------------------------------------------------ references
     def release(self, pins: list[tuple[int, int]]) -> None:

@@ -11,6 +11,13 @@
   the same generation. Generations only grow, so (slot, gen) never names two values.
 - Whatever happens in seal and abandon, the semaphore is released before they return or raise.
 - An abandon records why (failed, or uncacheable) with the generation, for the waiters.
+- Hand-off to another process (a serving engine reserves in its scheduler process and commits in
+  its worker process): the receiver *adopts* the reservation (slot, gen, giver): it joins the
+  semaphore (1 -> 2, refused if it is 0: the giver died) and names itself as the owner, in the
+  stripe section. The giver then *lets go*: it releases its hold only once the record no longer
+  names it, so the value never passes through 0 and no waiter takes over a live hand-off. Either
+  side's death drops only its own hold: a receiver that dies after the giver let go leaves 0
+  (takeover); a giver still holding lets go when it sees the record is not its own any more.
 """
 
 from __future__ import annotations
@@ -185,6 +192,28 @@ class Reservations:
             return False
         self._slots.record_failure(slot, gen, kind, message)
         self._slots.write(slot, record.state, record.freed())
+        return True
+
+    def adopt_in(self, slot: int, gen: int, giver: int) -> bool:
+        """Make reservation (slot, gen) of client `giver` ours (see the module docstring); False if
+        it is no longer the giver's (sealed, abandoned, taken over) or its holders all died."""
+        record = self._slots.read(slot)
+        if record is None or not record.owned_by(giver, gen) or giver == self.client:
+            return False
+        if not self._sems.join(self._layout.slot_sem(slot)):
+            return False  # nobody holds it any more: it is a dead owner's, for a takeover
+        with self._lock:
+            self._held.add(slot)
+        self._slots.write(slot, record.state, record._replace(owner=self.client))
+        return True
+
+    def let_go_in(self, slot: int, gen: int) -> bool:
+        """After handing (slot, gen) over: release our hold once the record no longer names us as
+        its owner (adopted, sealed, abandoned or taken over); False while it still does."""
+        record = self._slots.read(slot)
+        if record is not None and record.owned_by(self.client, gen):
+            return False
+        self.release(slot)
         return True
 
     def free_dead_in(self, slot: int) -> None:

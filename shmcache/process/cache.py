@@ -32,11 +32,11 @@ from shmcache.process.attachment import Attachment
 from shmcache.process.claims import Claims
 from shmcache.process.releases import Releases
 from shmcache.process.requests import RequestRefs
-from shmcache.process.reservation import RequestId, Reservation
+from shmcache.process.reservation import RequestId, Reservation, ReservationTicket
 from shmcache.process.views import Views
 from shmcache.remote.bridge import RemoteBridge
 
-__all__ = ["EmbeddingCache", "Reservation", "open_caches"]
+__all__ = ["EmbeddingCache", "Reservation", "ReservationTicket", "open_caches"]
 
 log = logging.getLogger("shmcache")
 _open: weakref.WeakSet[EmbeddingCache] = weakref.WeakSet()
@@ -200,6 +200,31 @@ class EmbeddingCache:
             if pulled is not None:
                 return Reservation(None, key, request_id, value=pulled)
         return res
+
+    def try_reserve(self, key: EmbeddingCacheKey, request_id: RequestId | None = None) -> Reservation | None:
+        """`reserve` without waiting: None while another thread or process computes `key`. No
+        remote pull happens here (a scheduler calls this; the pull is the computer's business)."""
+        if not self._enabled:
+            return Reservation(None, key, request_id)
+        self._index()
+        return self._claims.claim(key, self._needle(key), request_id, wait=False)
+
+    def adopt(
+        self, ticket: ReservationTicket, key: EmbeddingCacheKey, request_id: RequestId | None = None
+    ) -> Reservation | None:
+        """Take over the reservation another process handed out (`Reservation.hand_over`); None if
+        it is not that process's any more. Commit or abandon it as if this process had made it."""
+        if not self._enabled:
+            return None
+        self._index()
+        self._needle(key)
+        return self._claims.adopt(ticket, key, request_id)
+
+    def contains(self, key: EmbeddingCacheKey) -> bool:
+        """True if `key` is sealed on the node right now (no pin, no copy, no count)."""
+        if not self._enabled:
+            return False
+        return self._index().lookup(self._needle(key), pins=0) is not None
 
     def cleanup_request(self, request_id: RequestId) -> int:
         """Release every reference taken for `request_id` in this process; returns how many."""

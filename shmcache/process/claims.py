@@ -13,7 +13,7 @@ import time
 from typing import Final
 
 from shmcache.config import CacheConfig
-from shmcache.errors import CapacityError, ComputeFailed, ComputeTimeout, SemaphoreTimeout
+from shmcache.errors import CapacityError, ComputeFailed, ComputeTimeout, InvalidKey, SemaphoreTimeout
 from shmcache.format import entry, values
 from shmcache.format.values import Value
 from shmcache.gpu.side import DeviceSide
@@ -23,7 +23,7 @@ from shmcache.node.layout import Counter, key_meta, needle_of
 from shmcache.node.reservations import ClaimKind
 from shmcache.node.slots import FailureKind, SealedEntry
 from shmcache.process.requests import RequestRefs
-from shmcache.process.reservation import RequestId, Reservation
+from shmcache.process.reservation import RequestId, Reservation, ReservationTicket
 from shmcache.process.views import Views
 from shmcache.remote.bridge import RemoteBridge
 
@@ -181,3 +181,26 @@ class Claims:
 
     def abandon(self, reservation: Reservation, reason: str) -> None:
         self._node.abandon(reservation.slot, reservation.gen, FailureKind.FAILED, reason)
+
+    def ticket(self, reservation: Reservation) -> ReservationTicket:
+        return ReservationTicket(
+            self._config.namespace,
+            reservation.slot,
+            reservation.gen,
+            self._node.client,
+            reservation.key.digest,
+        )
+
+    def let_go(self, reservation: Reservation) -> bool:
+        return self._node.let_go(reservation.slot, reservation.gen)
+
+    def adopt(
+        self, ticket: ReservationTicket, key: EmbeddingCacheKey, request_id: RequestId | None
+    ) -> Reservation | None:
+        """Our reservation of `key`, adopted from the process that handed out `ticket`; None if it
+        is not that process's any more (sealed, abandoned, taken over, or it died)."""
+        if ticket.namespace != self._config.namespace or ticket.digest != key.digest:
+            raise InvalidKey(f"{key!r}: the ticket is for another key or namespace")
+        if not self._node.adopt(ticket.slot, ticket.gen, ticket.giver):
+            return None
+        return Reservation(self, key, request_id, slot=ticket.slot, gen=ticket.gen)

@@ -3,15 +3,27 @@
 from __future__ import annotations
 
 from collections.abc import Hashable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from shmcache.errors import ReservationLost
 from shmcache.format.values import Value
 from shmcache.keys.key import EmbeddingCacheKey
 
-__all__ = ["RequestId", "Reservation", "ReservationHolder"]
+__all__ = ["RequestId", "Reservation", "ReservationHolder", "ReservationTicket"]
 
 RequestId = Hashable
+
+
+@dataclass(frozen=True)
+class ReservationTicket:
+    """What another process needs to adopt a reservation (`EmbeddingCache.adopt`); picklable."""
+
+    namespace: str
+    slot: int
+    gen: int
+    giver: int  # the client record of the handing process
+    digest: bytes  # the key's digest: adoption checks the adopter means the same key
 
 
 class ReservationHolder(Protocol):
@@ -22,6 +34,12 @@ class ReservationHolder(Protocol):
 
     def abandon(self, reservation: Reservation, reason: str) -> None:
         """Give the reservation up, telling its waiters `reason`."""
+
+    def ticket(self, reservation: Reservation) -> ReservationTicket:
+        """The ticket another process adopts the reservation with."""
+
+    def let_go(self, reservation: Reservation) -> bool:
+        """Release a handed-over reservation once it was adopted; False while it is still ours."""
 
 
 class Reservation:
@@ -50,6 +68,7 @@ class Reservation:
         self.slot = slot
         self.gen = gen
         self._open = value is None
+        self._handed = False
 
     @property
     def owned(self) -> bool:
@@ -74,11 +93,29 @@ class Reservation:
         return self.value
 
     def abandon(self, reason: str = "abandoned") -> None:
-        """Give the key up: waiters are woken and the first of them computes it instead."""
-        if self._open:
+        """Give the key up: waiters are woken and the first of them computes it instead. After
+        `hand_over` this ends the reservation only if it was not adopted yet."""
+        if self._open or self._handed:
             self._open = False
             if self._holder is not None and self.slot >= 0:
                 self._holder.abandon(self, reason)
+
+    def hand_over(self) -> ReservationTicket:
+        """Hand the right to compute to another process (of the same engine, say): it calls
+        `EmbeddingCache.adopt(ticket, key)`, then this process calls `let_go()` until it returns
+        True. Until the adoption this process still holds the reservation (and may `abandon` it);
+        if either process dies, the reservation ends as if its holder died."""
+        if not self.owned or self._holder is None:
+            raise ReservationLost(f"{self.key!r}: only an owned reservation can be handed over")
+        self._open, self._handed = False, True
+        return self._holder.ticket(self)
+
+    def let_go(self) -> bool:
+        """After `hand_over`: release this process's hold once the other process adopted the
+        reservation (or it ended); False while it has not, so call it again later."""
+        if not self._handed or self._holder is None:
+            raise ReservationLost(f"{self.key!r}: this reservation was not handed over")
+        return self._holder.let_go(self)
 
     def __enter__(self) -> Reservation:
         return self

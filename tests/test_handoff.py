@@ -1,0 +1,87 @@
+"""Handing a reservation to another process (a serving engine reserves in its scheduler process and
+computes in its worker process): real processes, and SIGKILL on either side of the hand-off."""
+
+from __future__ import annotations
+
+import pickle
+import time
+from pathlib import Path
+
+from shmcache import CacheConfig, EmbeddingCache, ReservationTicket
+from tests import workers
+from tests.helpers import kill, spawn, wait_for
+from tests.workers import expected_value, fingerprint, key_of
+
+
+def _result(path: Path) -> tuple[str, bytes]:
+    wait_for(path.exists, timeout=60, what=str(path))
+    how, digest = path.read_text().split()
+    return how, bytes.fromhex(digest)
+
+
+def test_the_adopter_commits_and_waiters_never_compute(config: CacheConfig, tmp_path: Path) -> None:
+    with EmbeddingCache(config) as cache:
+        res = cache.try_reserve(key_of("x"))
+        assert res is not None and res.owned
+        ticket = res.hand_over()
+        assert pickle.loads(pickle.dumps(ticket)) == ticket
+        assert not res.let_go()  # not adopted yet: the hold stays
+        adopted, go, out = tmp_path / "adopted", tmp_path / "go", tmp_path / "out"
+        adopter = spawn(workers.adopt_then, config, ticket, "x", str(adopted), str(go))
+        waiter = spawn(workers.get_or_compute_to, config, "x", str(out))
+        wait_for(adopted.exists, what="the adoption")
+        assert adopted.read_text() == "adopted"
+        assert res.let_go()
+        time.sleep(0.3)
+        assert not out.exists()  # the waiter still waits for the adopter's commit
+        go.touch()
+        assert _result(out) == ("waited", fingerprint(expected_value("x")))
+        adopter.join(30)
+        waiter.join(30)
+        assert adopter.exitcode == 0 and waiter.exitcode == 0
+        assert cache.stats()["computes"] == 0 and cache.stats()["takeovers"] == 0
+
+
+def test_an_adopter_killed_after_the_giver_let_go_is_taken_over(config: CacheConfig, tmp_path: Path) -> None:
+    with EmbeddingCache(config) as cache:
+        res = cache.try_reserve(key_of("y"))
+        assert res is not None
+        adopted = tmp_path / "adopted"
+        adopter = spawn(workers.adopt_then, config, res.hand_over(), "y", str(adopted), None)
+        wait_for(adopted.exists, what="the adoption")
+        assert res.let_go()
+        kill(adopter)
+        value = cache.get_or_compute(key_of("y"), lambda: expected_value("y"))
+        assert fingerprint(value) == fingerprint(expected_value("y"))
+        assert cache.stats()["takeovers"] == 1
+
+
+def test_an_adopter_killed_while_the_giver_holds_ends_at_let_go(config: CacheConfig, tmp_path: Path) -> None:
+    with EmbeddingCache(config) as cache:
+        res = cache.try_reserve(key_of("z"))
+        assert res is not None
+        adopted, out = tmp_path / "adopted", tmp_path / "out"
+        adopter = spawn(workers.adopt_then, config, res.hand_over(), "z", str(adopted), None)
+        wait_for(adopted.exists, what="the adoption")
+        kill(adopter)  # dead holding it; the giver's hold keeps waiters waiting
+        assert cache.try_reserve(key_of("z")) is None
+        assert res.let_go()  # the record names the dead adopter: the giver's hold goes
+        waiter = spawn(workers.get_or_compute_to, config, "z", str(out))
+        assert _result(out) == ("computed", fingerprint(expected_value("z")))
+        waiter.join(30)
+
+
+def test_a_giver_killed_before_the_adoption_leaves_nothing_to_adopt(
+    config: CacheConfig, tmp_path: Path
+) -> None:
+    ticket_path = tmp_path / "ticket"
+    giver = spawn(workers.hand_over_then_wait, config, "w", str(ticket_path))
+    with EmbeddingCache(config) as cache:
+        wait_for(ticket_path.exists, what="the ticket")
+        ticket = pickle.loads(ticket_path.read_bytes())
+        assert isinstance(ticket, ReservationTicket)
+        kill(giver)
+        assert cache.adopt(ticket, key_of("w")) is None  # its holder died: a takeover, not an adoption
+        value = cache.get_or_compute(key_of("w"), lambda: expected_value("w"))
+        assert fingerprint(value) == fingerprint(expected_value("w"))
+        assert cache.stats()["takeovers"] == 1
