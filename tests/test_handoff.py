@@ -85,3 +85,21 @@ def test_a_giver_killed_before_the_adoption_leaves_nothing_to_adopt(
         value = cache.get_or_compute(key_of("w"), lambda: expected_value("w"))
         assert fingerprint(value) == fingerprint(expected_value("w"))
         assert cache.stats()["takeovers"] == 1
+
+
+def test_a_withdrawn_reservation_is_reserved_again_without_a_failure(config: CacheConfig) -> None:
+    import threading
+
+    with EmbeddingCache(config) as cache:
+        res = cache.try_reserve(key_of("v"))
+        assert res is not None and res.owned
+        got: list[object] = []
+        waiter = threading.Thread(
+            target=lambda: got.append(cache.get_or_compute(key_of("v"), lambda: expected_value("v")))
+        )
+        waiter.start()
+        wait_for(lambda: cache.stats()["coalesced_waits"] == 1, what="the waiter")
+        res.withdraw()  # a scheduler deferring its request: no ComputeFailed for the waiter
+        waiter.join(30)
+        assert len(got) == 1 and fingerprint(got[0]) == fingerprint(expected_value("v"))  # type: ignore[arg-type]
+        assert cache.stats()["computes"] == 1 and cache.stats()["compute_failures"] == 0

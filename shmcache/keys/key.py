@@ -20,9 +20,10 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 import numpy as np
 import xxhash
 
-from shmcache.errors import InvalidKey, UnsupportedValue
+from shmcache.errors import InvalidKey, KeyTypeError, UnsupportedValue
 from shmcache.keys.framing import frame
 from shmcache.keys.preprocessing import EncoderPreprocessingConfig
+from shmcache.keys.text import short_repr, utf8
 
 if TYPE_CHECKING:
     import torch
@@ -43,8 +44,8 @@ HashAlgorithm = Literal["xxh3_128", "blake3", "sha256"]
 HASH_ALGORITHMS: Final[tuple[str, ...]] = ("xxh3_128", "blake3", "sha256")
 Modality = Literal["image", "video", "audio"]
 MODALITIES: Final[tuple[str, ...]] = ("image", "video", "audio")
-KeyKind = Literal["raw", "tensor", "token_prefix"]
-KEY_KINDS: Final[tuple[str, ...]] = ("raw", "tensor", "token_prefix")
+KeyKind = Literal["raw", "tensor", "token_prefix", "external"]
+KEY_KINDS: Final[tuple[str, ...]] = ("raw", "tensor", "token_prefix", "external")
 
 _LEN_AND_DIGEST = struct.Struct("<BQ")
 
@@ -82,19 +83,18 @@ def _prefix(
     The header frames the key schema version, the algorithm, the namespace, the modality, every
     config field and the salt; its full-width digest stands for it in every key made with it.
     """
-    salt = tenant_salt.encode() if isinstance(tenant_salt, str) else tenant_salt
+    salt = _salt_bytes(tenant_salt)
     memo_key = (algorithm, kind, modality, id(config), salt)
-    found = _prefixes.get(memo_key)
+    try:
+        found = _prefixes.get(memo_key)
+    except TypeError:  # an unhashable algorithm or modality: refused below
+        found = None
     if found is not None and found[0] is config:
         return found
     if not isinstance(config, EncoderPreprocessingConfig):
         raise UnsupportedValue(f"config must be an EncoderPreprocessingConfig, got {type(config).__name__}")
-    if algorithm not in _ONE_SHOT:
-        raise InvalidKey(f"unknown hash algorithm {algorithm!r}; choose one of {HASH_ALGORITHMS}")
-    if modality not in MODALITIES:
-        raise InvalidKey(f"modality must be one of {MODALITIES}, got {modality!r}")
-    if tenant_salt is not None and not isinstance(tenant_salt, str | bytes):
-        raise UnsupportedValue(f"tenant_salt must be str, bytes or None, got {type(tenant_salt).__name__}")
+    algorithm = _known("hash algorithm", algorithm, HASH_ALGORITHMS)
+    modality = _known("modality", modality, MODALITIES)
     hash_fn = _ONE_SHOT[algorithm]
     header = frame(("shmcache-key", KEY_SCHEMA_VERSION, algorithm, kind, modality))
     header += config.framed() + frame(salt)
@@ -102,6 +102,27 @@ def _prefix(
         _prefixes.clear()
     found = _prefixes[memo_key] = (config, hash_fn, frame(hash_fn(header)))  # holds config: id stays unique
     return found
+
+
+def _known(what: str, value: object, allowed: tuple[str, ...]) -> str:
+    """The canonical spelling of `value`, one of `allowed`: `KeyTypeError` if it is no str,
+    `InvalidKey` if it is another one."""
+    if not isinstance(value, str):
+        raise KeyTypeError(f"{what} must be a str, got {type(value).__name__}")
+    if value not in allowed:
+        raise InvalidKey(f"unknown {what} {short_repr(value)}; choose one of {allowed}")
+    return allowed[allowed.index(value)]
+
+
+def _salt_bytes(tenant_salt: object) -> bytes | None:
+    """The salt as bytes: str is UTF-8 encoded (`InvalidKey` for lone surrogates)."""
+    if tenant_salt is None or type(tenant_salt) is bytes:
+        return tenant_salt
+    if isinstance(tenant_salt, str):
+        return utf8(tenant_salt, "tenant_salt", InvalidKey)
+    if isinstance(tenant_salt, bytes):
+        return bytes(tenant_salt)
+    raise UnsupportedValue(f"tenant_salt must be str, bytes or None, got {type(tenant_salt).__name__}")
 
 
 def _digest(
@@ -127,12 +148,18 @@ class EmbeddingCacheKey:
     _parts: tuple[str, bytes, str, str]  # algorithm, digest, modality, kind
 
     def __init__(self, algorithm: str, digest: bytes, modality: str, kind: str) -> None:
-        if algorithm not in HASH_ALGORITHMS:
-            raise InvalidKey(f"unknown hash algorithm {algorithm!r}")
+        """Rebuild a key from its parts (unpickling does this); every part is validated:
+        `KeyTypeError` for a part of the wrong type, `InvalidKey` for an unknown algorithm,
+        modality or kind, or a digest that is not the algorithm's full width."""
+        algorithm = _known("hash algorithm", algorithm, HASH_ALGORITHMS)
+        modality = _known("modality", modality, MODALITIES)
+        kind = _known("key kind", kind, KEY_KINDS)
+        if not isinstance(digest, bytes):
+            raise KeyTypeError(f"digest must be bytes, got {type(digest).__name__}")
         expected = 16 if algorithm == "xxh3_128" else 32
-        if not isinstance(digest, bytes) or len(digest) != expected:
-            raise InvalidKey(f"{algorithm} digests are {expected} bytes")
-        _set_parts(self, (algorithm, digest, modality, kind))
+        if len(digest) != expected:
+            raise InvalidKey(f"{algorithm} digests are {expected} bytes, got {len(digest)}")
+        _set_parts(self, (algorithm, bytes(digest), modality, kind))
 
     @classmethod
     def _make(cls, algorithm: str, digest: bytes, modality: str, kind: str) -> EmbeddingCacheKey:
@@ -212,8 +239,8 @@ class EmbeddingCacheKey:
             raise UnsupportedValue(f"parent must be a key, bytes or None, got {type(parent).__name__}")
         try:
             tokens = np.asarray(token_ids)
-        except (TypeError, ValueError) as exc:
-            raise UnsupportedValue(f"token_ids must be a sequence of ints: {exc}") from None
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise UnsupportedValue(f"token_ids must be a sequence of ints: {str(exc)[:80]}") from None
         if tokens.ndim != 1 or (tokens.size and tokens.dtype.kind not in "iu"):
             raise UnsupportedValue("token_ids must be a flat sequence of ints")
         if tokens.size and (tokens.dtype.kind == "u" and tokens.max() > np.iinfo(np.int64).max):
@@ -222,6 +249,38 @@ class EmbeddingCacheKey:
         prefix = _prefix(algorithm, "token_prefix", modality, config, tenant_salt)
         digest = _digest(prefix, content.view(np.uint8).data, content.nbytes, frame(parent_bytes))
         return cls._make(algorithm, digest, modality, "token_prefix")
+
+    @classmethod
+    def from_external_id(
+        cls,
+        identifier: str,
+        config: EncoderPreprocessingConfig,
+        *,
+        source: str,
+        modality: Modality,
+        algorithm: HashAlgorithm = "xxh3_128",
+        tenant_salt: str | bytes | None = None,
+    ) -> EmbeddingCacheKey:
+        """Key of an input named by another system's identifier (vLLM's `mm_hash`, say).
+
+        Its own namespace ("external"), framed with `source` (who made the identifier, e.g.
+        "vllm"): an identifier never meets a raw-bytes or tensor key, nor one of another source.
+        The config adds what the identifier does not cover (model revision, encoder config,
+        dtype). The identifier must itself be content-addressed: equal identifiers are equal inputs.
+        """
+        if not isinstance(identifier, str) or not identifier:
+            raise InvalidKey(f"identifier must be a non-empty str, got {type(identifier).__name__}")
+        if not isinstance(source, str) or not source:
+            raise InvalidKey(f"source must be a non-empty str, got {type(source).__name__}")
+        try:
+            content = identifier.encode("utf-8")
+            framed_source = frame(source)
+        except UnicodeEncodeError:
+            raise InvalidKey("identifier and source must be valid text (no lone surrogates)") from None
+        prefix = _prefix(algorithm, "external", modality, config, tenant_salt)
+        return cls._make(
+            algorithm, _digest(prefix, content, len(content), framed_source), modality, "external"
+        )
 
     @property
     def digest(self) -> bytes:

@@ -226,6 +226,19 @@ class EmbeddingCache:
             return False
         return self._index().lookup(self._needle(key), pins=0) is not None
 
+    def hold(self, key: EmbeddingCacheKey, request_id: RequestId) -> bool:
+        """Reference `key`'s entry for `request_id` (released by `cleanup_request`) without making
+        a view or counting a hit: a scheduler keeps an entry alive for a load it plans. False if
+        `key` is not sealed."""
+        if not self._enabled:
+            return False
+        node = self._index()
+        sealed = node.lookup(self._needle(key), pins=1)
+        if sealed is None:
+            return False
+        self._requests.add(request_id, sealed.slot, sealed.gen)
+        return True
+
     def cleanup_request(self, request_id: RequestId) -> int:
         """Release every reference taken for `request_id` in this process; returns how many."""
         if not self._enabled:

@@ -182,6 +182,9 @@ class Claims:
     def abandon(self, reservation: Reservation, reason: str) -> None:
         self._node.abandon(reservation.slot, reservation.gen, FailureKind.FAILED, reason)
 
+    def withdraw(self, reservation: Reservation) -> None:
+        self._node.abandon(reservation.slot, reservation.gen, FailureKind.NONE, "withdrawn")
+
     def ticket(self, reservation: Reservation) -> ReservationTicket:
         return ReservationTicket(
             self._config.namespace,

@@ -35,6 +35,9 @@ class ReservationHolder(Protocol):
     def abandon(self, reservation: Reservation, reason: str) -> None:
         """Give the reservation up, telling its waiters `reason`."""
 
+    def withdraw(self, reservation: Reservation) -> None:
+        """Give the reservation back unused, reporting no failure to its waiters."""
+
     def ticket(self, reservation: Reservation) -> ReservationTicket:
         """The ticket another process adopts the reservation with."""
 
@@ -99,6 +102,15 @@ class Reservation:
             self._open = False
             if self._holder is not None and self.slot >= 0:
                 self._holder.abandon(self, reason)
+
+    def withdraw(self) -> None:
+        """Give the reservation back unused (a scheduler that defers the request, say): waiters
+        look again and the first of them reserves the key; no failure is reported to them. After
+        `hand_over` this ends the reservation only if it was not adopted yet."""
+        if self._open or self._handed:
+            self._open = False
+            if self._holder is not None and self.slot >= 0:
+                self._holder.withdraw(self)
 
     def hand_over(self) -> ReservationTicket:
         """Hand the right to compute to another process (of the same engine, say): it calls

@@ -1,0 +1,136 @@
+"""The scheduler side of the connector: which items a request loads from the node, which it
+computes, and node-wide exactly-once across engines.
+
+Per step, for each request vLLM wants to schedule (`ensure_cache_available`):
+- an item sealed on the node is loaded (vLLM asks `has_cache_item`; the scheduler pins the entry
+  from that question until the request finishes, so it cannot vanish before the worker loads it);
+- an item no process computes is reserved here, handed to the worker with the step's metadata
+  (the worker adopts it and commits its encoder output), and let go once adopted;
+- an item another process is computing defers the request (False) until it is sealed; a request
+  that is deferred gives back the reservations it took, so two engines never wait on each other.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from shmcache.integrations.vllm.metadata import LoadItem, SaveItem, ShmCacheECMetadata
+from shmcache.integrations.vllm.settings import KeyMaker
+from shmcache.keys.key import EmbeddingCacheKey
+from shmcache.process.cache import EmbeddingCache
+from shmcache.process.reservation import Reservation
+
+__all__ = ["SchedulerSide"]
+
+log = logging.getLogger("shmcache")
+
+
+@dataclass
+class _Step:
+    """What the scheduler decided since the last `build_connector_meta`."""
+
+    loads: list[LoadItem] = field(default_factory=list)
+    saves: list[SaveItem] = field(default_factory=list)
+    checked: set[str] = field(default_factory=set)  # held by has_cache_item for this step
+
+
+class SchedulerSide:
+    """Scheduler-side state of one engine's connector."""
+
+    def __init__(self, cache: EmbeddingCache, keys: KeyMaker) -> None:
+        self._cache, self._keys = cache, keys
+        self._step = _Step()
+        self._steps = 0
+        self._reserved: dict[str, Reservation] = {}  # identifier -> ours, not yet handed over
+        self._owners: dict[str, str] = {}  # identifier -> the request it was reserved for
+        self._handed: list[Reservation] = []  # handed over, to let go once adopted
+        self._modalities: dict[str, str] = {}
+
+    def key(self, identifier: str) -> EmbeddingCacheKey:
+        return self._keys(identifier, self._modalities.get(identifier, "image"))
+
+    @property
+    def _step_holder(self) -> str:
+        """The request id under which this step's `has_item` answers hold their entries."""
+        return f"shmcache-connector-step-{self._steps}"
+
+    def has_item(self, identifier: str) -> bool:
+        """Sealed on the node: hold it (a reference, no view) until this step's metadata is built,
+        so the load vLLM plans on this answer finds it."""
+        if identifier in self._step.checked:
+            return True
+        if not self._cache.hold(self.key(identifier), self._step_holder):
+            return False
+        self._step.checked.add(identifier)
+        return True
+
+    def ensure(self, request: Any, num_computed_tokens: int) -> bool:
+        """True if every item of `request` still to encode is sealed, ours, or now reserved by
+        us; False (nothing held for it) if another process computes one of them."""
+        pending = [
+            feature
+            for feature in request.mm_features
+            if feature.mm_position.offset + feature.mm_position.length > num_computed_tokens
+        ]
+        taken: list[str] = []
+        for feature in pending:
+            identifier = feature.identifier
+            self._modalities[identifier] = feature.modality
+            if identifier in self._reserved or self._cache.contains(self.key(identifier)):
+                continue
+            res = self._cache.try_reserve(self.key(identifier))
+            if res is None:  # another engine computes it: wait for its seal, holding nothing
+                self._give_back(request.request_id, taken)
+                return False
+            if res.owned:
+                self._reserved[identifier] = res
+                self._owners[identifier] = request.request_id
+                taken.append(identifier)
+        return True
+
+    def after_alloc(self, request: Any, index: int) -> None:
+        """vLLM allocated item `index` of `request`: plan its load, or hand its reservation over."""
+        feature = request.mm_features[index]
+        identifier = feature.identifier
+        self._modalities[identifier] = feature.modality
+        key = self.key(identifier)
+        res = self._reserved.pop(identifier, None)
+        if res is not None:
+            self._owners.pop(identifier, None)
+            self._step.saves.append(SaveItem(identifier, key, res.hand_over()))
+            self._handed.append(res)
+        elif identifier in self._step.checked and self._cache.hold(key, request.request_id):
+            self._step.loads.append(LoadItem(identifier, key))  # held until the request finishes
+        else:
+            self._step.saves.append(SaveItem(identifier, key, None))
+
+    def build(self) -> ShmCacheECMetadata:
+        """This step's metadata; lets go of reservations the worker adopted."""
+        step, self._step = self._step, _Step()
+        self._cache.cleanup_request(self._step_holder)
+        self._steps += 1
+        self._handed = [res for res in self._handed if not res.let_go()]
+        return ShmCacheECMetadata(step.loads, step.saves)
+
+    def finished(self, request: Any) -> None:
+        """Release what `request` held: its references, reservations never handed over."""
+        self._cache.cleanup_request(request.request_id)
+        mine = [identifier for identifier, owner in self._owners.items() if owner == request.request_id]
+        self._give_back(request.request_id, mine)
+
+    def _give_back(self, request_id: str, identifiers: list[str]) -> None:
+        for identifier in identifiers:
+            res = self._reserved.pop(identifier, None)
+            self._owners.pop(identifier, None)
+            if res is not None:
+                res.withdraw()
+
+    def close(self) -> None:
+        for res in self._reserved.values():
+            res.withdraw()
+        self._reserved.clear()
+        for res in self._handed:
+            res.let_go()
+        self._handed.clear()
