@@ -6,9 +6,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vllm extra is not installed")
 
-from shmcache import ConfigTypeError, EmbeddingCacheKey, InvalidConfig  # noqa: E402
-from shmcache.integrations.vllm.settings import ConnectorSettings, KeyMaker  # noqa: E402
-from shmcache.testing import sample_preprocessing  # noqa: E402
+from shmcache import ConfigTypeError, EmbeddingCacheKey, InvalidConfig
+from shmcache.integrations.vllm.settings import ConnectorSettings, KeyMaker
+from shmcache.testing import sample_preprocessing
 
 
 def test_extra_config_becomes_an_enabled_cache_config() -> None:
