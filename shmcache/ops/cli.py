@@ -1,4 +1,4 @@
-"""The `shmcache` command: `shmcache demo` (and `python -m shmcache demo`)."""
+"""The `shmcache` command: `shmcache demo`, `shmcache hold`, `shmcache inspect` (and `python -m shmcache`)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ USAGE = """usage: shmcache COMMAND [ARGS]
 commands:
   demo      encoder and prefill processes sharing one node cache (see `shmcache demo --help`)
   inspect   what this node's caches hold and who holds it (the same as `shmcache-inspect`)
+  hold      keep a namespace alive while engines come and go (see `shmcache hold --help`)
 """
 
 
@@ -24,6 +25,10 @@ def main(argv: list[str] | None = None) -> int:
         from shmcache.ops.demo import main as demo
 
         return demo(rest)
+    if command == "hold":
+        from shmcache.ops.hold import main as hold
+
+        return hold(rest)
     if command == "inspect":
         from shmcache.ops.inspect import main as inspect
 

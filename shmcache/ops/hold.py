@@ -1,0 +1,56 @@
+"""`shmcache hold`: keep a namespace alive on a node while engines come and go.
+
+A namespace lives while some process has it open: the last process to detach removes it (so a
+node never keeps shared memory nobody uses). A serving node whose engines restart (upgrades, OOM
+kills, scale-downs) runs this as a small service, so their cache survives them::
+
+    shmcache hold --config '{"namespace": "qwen-omni", "capacity_bytes": 4294967296}'
+
+`--config` takes the same fields as the vLLM connector's `ec_connector_extra_config` (the
+`CacheConfig` fields); the layout settings must match the engines' or attaching fails with
+`LayoutMismatch`. It runs until SIGTERM or SIGINT, then detaches (removing the namespace if no
+engine has it open). `--ready FILE` is created once the namespace is open (for scripts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from shmcache.config import CacheConfig
+from shmcache.errors import ShmCacheError
+from shmcache.process.cache import EmbeddingCache
+
+__all__ = ["main"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="shmcache hold", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="{}", help="CacheConfig fields as JSON (enabled by default)")
+    parser.add_argument("--ready", help="create this file once the namespace is open")
+    args = parser.parse_args(argv)
+    try:
+        fields = json.loads(args.config)
+        if isinstance(fields, dict):
+            fields.setdefault("enable_embedding_cache", True)
+        config = CacheConfig.from_stage_config(fields)
+    except (ValueError, TypeError) as exc:
+        print(f"shmcache hold: bad --config: {exc}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    try:
+        with EmbeddingCache(config):
+            if args.ready:
+                Path(args.ready).touch()
+            print(f"shmcache hold: holding namespace {config.namespace!r}", flush=True)
+            stop.wait()
+    except ShmCacheError as exc:
+        print(f"shmcache hold: {exc}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,61 @@
+"""`shmcache hold`: a namespace outlives the processes that use it while the holder runs."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from shmcache import EmbeddingCache
+from shmcache.testing import namespace_objects, sample_cache_config
+from tests.helpers import wait_for
+from tests.workers import expected_value, fingerprint, key_of
+
+
+def _hold(config_fields: dict[str, object], ready: Path) -> subprocess.Popen[bytes]:
+    command = [
+        sys.executable,
+        "-m",
+        "shmcache",
+        "hold",
+        "--config",
+        json.dumps(config_fields),
+        "--ready",
+        str(ready),
+    ]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def test_a_held_namespace_outlives_its_users_and_goes_with_the_holder(namespace: str, tmp_path: Path) -> None:
+    config = sample_cache_config(namespace)
+    fields = {
+        "namespace": namespace,
+        "capacity_bytes": config.capacity_bytes,
+        "max_entries": config.max_entries,
+    }
+    fields |= {"ways": config.ways, "max_clients": config.max_clients}
+    fields["max_pins_per_process"] = config.max_pins_per_process
+    ready = tmp_path / "ready"
+    holder = _hold(fields, ready)
+    try:
+        wait_for(lambda: ready.exists() or holder.poll() is not None, what="the holder")
+        assert holder.poll() is None, holder.communicate()
+        with EmbeddingCache(config) as cache:
+            cache.put(key_of("kept"), expected_value("kept"))
+        assert namespace_objects(namespace)  # the last user left; the holder keeps it
+        with EmbeddingCache(config) as cache:
+            value = cache.get(key_of("kept"))
+            assert value is not None and fingerprint(value) == fingerprint(expected_value("kept"))
+            del value
+    finally:
+        holder.send_signal(signal.SIGTERM)
+        assert holder.wait(30) == 0
+    assert not namespace_objects(namespace)  # the holder was the last one: everything removed
+
+
+def test_a_bad_hold_config_is_refused(tmp_path: Path) -> None:
+    holder = _hold({"namespce": "x"}, tmp_path / "ready")
+    _out, err = holder.communicate(timeout=60)
+    assert holder.returncode == 2 and b"namespce" in err
