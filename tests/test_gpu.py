@@ -166,12 +166,12 @@ def test_records_of_earlier_generations_are_ignored(config: CacheConfig, tmp_pat
         _sealed_by_a_killed_exporter(config, tmp_path)
         node = cache._node
         info = _slot_info(cache, "gpu-frame")
-        assert GpuRecord.from_attachment(node.attachment(info.slot, info.gen)) is not None
-        assert GpuRecord.from_attachment(node.attachment(info.slot, info.gen + 1)) is None
+        assert GpuRecord.from_attachment(node.attachments.get(info.slot, info.gen)) is not None
+        assert GpuRecord.from_attachment(node.attachments.get(info.slot, info.gen + 1)) is None
         assert live_mask(node)[info.slot] and int(live_mask(node).sum()) == 1
         assert not withdraw_record(node, info.slot, info.gen + 1)  # no record of that generation
         assert withdraw_record(node, info.slot, info.gen)
-        withdrawn = GpuRecord.from_attachment(node.attachment(info.slot, info.gen))
+        withdrawn = GpuRecord.from_attachment(node.attachments.get(info.slot, info.gen))
         assert withdrawn is not None and withdrawn.withdrawn
         assert not live_mask(node).any()
         assert cache.stats()["gpu_entries"] == 0
@@ -310,7 +310,7 @@ def test_a_closing_exporter_counts_its_own_references_as_they_are_now(
 
 
 def _withdrawn(cache: EmbeddingCache, info: SealedEntry) -> bool:
-    record = GpuRecord.from_attachment(cache._node.attachment(info.slot, info.gen))
+    record = GpuRecord.from_attachment(cache._node.attachments.get(info.slot, info.gen))
     return record is not None and record.withdrawn
 
 

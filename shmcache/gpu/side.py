@@ -166,9 +166,9 @@ class DeviceSide:
             """References of other processes. Ours are read before and after the total and the
             smaller count is taken: our threads may drop or take pins meanwhile, and neither may
             make another process's reference look like ours."""
-            ours = self._node.held_pins().get((slot, gen), 0)
+            ours = self._node.pins.held().get((slot, gen), 0)
             indexed, references = self._node.entry_state(slot, gen)
-            ours = min(ours, self._node.held_pins().get((slot, gen), 0))
+            ours = min(ours, self._node.pins.held().get((slot, gen), 0))
             return indexed, references - ours
 
         deadline = time.monotonic() + wait_s
@@ -228,7 +228,7 @@ class DeviceSide:
 
     def still_aliasable(self, slot: int, record: GpuRecord) -> bool:
         """For a repeat hit on an alias of `record`: its exporter lives and has not withdrawn it."""
-        current = GpuRecord.from_attachment(self._node.attachment(slot, record.gen))
+        current = GpuRecord.from_attachment(self._node.attachments.get(slot, record.gen))
         return current is not None and not current.withdrawn and self.exporter_alive(current)
 
     def materialize(

@@ -170,9 +170,6 @@ class NodeIndex:
     def failure(self, slot: int, gen: int) -> tuple[FailureKind, str] | None:
         return self.slots.failure(slot, gen)
 
-    def owner_pid(self, slot: int) -> int:
-        return self.reservations.owner_pid(slot)
-
     def commit(self, slot: int, gen: int, nbytes: int, write: Writer, pins: int) -> SealedEntry:
         """Store a value for our reservation (slot, gen): allocate `nbytes` of arena, `write(offset,
         size)` the entry there (outside any lock: nobody reads a reservation's extent), then seal
@@ -293,14 +290,7 @@ class NodeIndex:
             if record is not None and record.is_entry(gen):
                 self.slots.write(slot, record.state, record.retired())
 
-    def held_pins(self) -> dict[tuple[int, int], int]:
-        return self.pins.held()
-
     # ------------------------------------------------------------------ attachments
-    def attachment(self, slot: int, gen: int) -> bytes | None:
-        """The attachment record of entry (slot, gen), read without a lock."""
-        return self.attachments.get(slot, gen)
-
     def update_attachment(self, slot: int, gen: int, update: Callable[[bytes], bytes]) -> bool:
         """Replace entry (slot, gen)'s attachment by `update(old)` under its stripe section;
         False if it has none."""

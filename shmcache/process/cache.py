@@ -20,19 +20,18 @@ from typing import Any
 from shmcache.config import CacheConfig
 from shmcache.errors import CacheClosed, CapacityError, InvalidKey
 from shmcache.format.values import Value
-from shmcache.gpu.record import live_mask
 from shmcache.gpu.side import DeviceSide
 from shmcache.kernel.namespace import destroy_namespace
 from shmcache.keys.key import EmbeddingCacheKey, Modality
 from shmcache.keys.preprocessing import EncoderPreprocessingConfig
 from shmcache.node.index import NodeIndex
 from shmcache.node.layout import Counter, needle_of
-from shmcache.node.slots import SlotState
 from shmcache.process.attachment import Attachment
 from shmcache.process.claims import Claims
 from shmcache.process.releases import Releases
 from shmcache.process.requests import RequestRefs
 from shmcache.process.reservation import RequestId, Reservation, ReservationTicket
+from shmcache.process.stats import node_stats
 from shmcache.process.views import Views
 from shmcache.remote.bridge import RemoteBridge
 
@@ -95,25 +94,17 @@ class EmbeddingCache:
         self, data: bytes | bytearray | memoryview, config: EncoderPreprocessingConfig, *, modality: Modality
     ) -> EmbeddingCacheKey:
         """`EmbeddingCacheKey.from_raw_bytes` with this cache's hash algorithm and tenant salt."""
-        return EmbeddingCacheKey.from_raw_bytes(
-            data,
-            config,
-            modality=modality,
-            algorithm=self.config.hash_algorithm,
-            tenant_salt=self.config.tenant_salt,
-        )
+        return EmbeddingCacheKey.from_raw_bytes(data, config, modality=modality, **self._key_settings)
 
     def key_from_decoded_tensor(
         self, tensor: Any, config: EncoderPreprocessingConfig, *, modality: Modality
     ) -> EmbeddingCacheKey:
         """`EmbeddingCacheKey.from_decoded_tensor` with this cache's hash algorithm and tenant salt."""
-        return EmbeddingCacheKey.from_decoded_tensor(
-            tensor,
-            config,
-            modality=modality,
-            algorithm=self.config.hash_algorithm,
-            tenant_salt=self.config.tenant_salt,
-        )
+        return EmbeddingCacheKey.from_decoded_tensor(tensor, config, modality=modality, **self._key_settings)
+
+    @property
+    def _key_settings(self) -> dict[str, Any]:
+        return {"algorithm": self.config.hash_algorithm, "tenant_salt": self.config.tenant_salt}
 
     # ----------------------------------------------------------------- public API
     def get(self, key: EmbeddingCacheKey, request_id: RequestId | None = None) -> Value | None:
@@ -252,25 +243,7 @@ class EmbeddingCache:
         """Node-wide counters (summed over every process) and current occupancy."""
         if not self._enabled:
             return {}
-        node = self._index()
-        totals = node.totals()
-        slots = node.slots.array
-        sealed = slots["state"] == SlotState.SEALED
-        on_gpu = sealed & live_mask(node)
-        totals.update(
-            entries=int(sealed.sum()),
-            bytes=int(slots["size"][sealed].sum()),
-            gpu_entries=int(on_gpu.sum()),
-            gpu_bytes=int(slots["size"][on_gpu].sum()),
-            gpu_exported_bytes=self._device.exports.nbytes,
-            reserved=int((slots["state"] == SlotState.RESERVED).sum()),
-            stale=int((slots["state"] == SlotState.STALE).sum()),
-            references=int(slots["refcount"].sum()),
-            capacity_bytes=node.capacity,
-            max_entries=node.layout.slots,
-            clients=int(node.live_clients().sum()),
-        )
-        return totals
+        return node_stats(self._index(), self._device)
 
     def gc(self) -> int:
         """Reap dead processes' records and pins now, repair what they died inside, and free this

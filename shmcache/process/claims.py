@@ -117,7 +117,7 @@ class Claims:
             node.count(Counter.TIMEOUTS)
             raise ComputeTimeout(
                 f"{key!r}: waited {self._config.compute_timeout_s}s for the compute of pid "
-                f"{node.owner_pid(slot)}"
+                f"{node.reservations.owner_pid(slot)}"
             ) from None
         return True
 
@@ -163,7 +163,7 @@ class Claims:
     def _settle_export(self, slot: int, gen: int) -> None:
         """After a seal (or its failure): our device copy is read by others only if its record
         made it into the index."""
-        if self._node.attachment(slot, gen) is None:
+        if self._node.attachments.get(slot, gen) is None:
             self._device.exports.discard(slot, gen)  # fenced off: nobody will read our copy
         else:
             self._device.exports.published(slot, gen)

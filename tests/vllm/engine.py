@@ -221,6 +221,24 @@ def _wait_at_gate(gate: str | None) -> None:
         time.sleep(0.01)
 
 
+def _make_llm(run: EngineRun) -> Any:
+    """The tiny-model engine the tests use (CPU, float32, eager, small budgets)."""
+    from vllm import LLM
+
+    return LLM(
+        model=run.model_dir,
+        max_model_len=128,
+        enforce_eager=True,
+        dtype="float32",
+        limit_mm_per_prompt={"image": 1},
+        max_num_seqs=4,
+        max_num_batched_tokens=256,
+        ec_transfer_config=run.ec_transfer_config,
+        disable_log_stats=False,  # fills RequestOutput.metrics (time to first token)
+        seed=0,
+    )
+
+
 def run_engine(run: EngineRun) -> None:
     """Entry point of a fresh process: run `run` on a real vLLM engine and write its result JSON."""
     with contextlib.suppress(OSError):
@@ -237,21 +255,8 @@ def run_engine(run: EngineRun) -> None:
 
         build_tiny_llava(Path(run.model_dir))
 
-    from vllm import LLM
-
     start = time.perf_counter()
-    llm = LLM(
-        model=run.model_dir,
-        max_model_len=128,
-        enforce_eager=True,
-        dtype="float32",
-        limit_mm_per_prompt={"image": 1},
-        max_num_seqs=4,
-        max_num_batched_tokens=256,
-        ec_transfer_config=run.ec_transfer_config,
-        disable_log_stats=False,  # fills RequestOutput.metrics (time to first token)
-        seed=0,
-    )
+    llm = _make_llm(run)
     startup_s = time.perf_counter() - start
     startup_events = len(_read_events(log_path))
     _wait_at_gate(os.environ.get(START_GATE_ENV))
