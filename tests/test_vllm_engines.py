@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vllm extra is not installed")
 
-from shmcache import CacheConfig, EmbeddingCache
+from shmcache import CacheConfig, EmbeddingCache, destroy_namespace
 from shmcache.testing import namespace_objects
 from tests.helpers import wait_for
 from tests.vllm.engine import EngineProcess, EngineResult, EngineRun, ImageRequest, spawn_engine
@@ -183,3 +183,18 @@ def test_without_the_cache_outputs_are_identical_and_no_shared_memory_is_touched
     assert _tokens(disabled) == _tokens(plain)
     assert disabled.encoder_runs == plain.encoder_runs == 1  # vLLM's own cache serves the repeat
     assert len(seen) > 10 and not any(seen)
+
+
+def test_a_broken_cache_never_fails_a_request(model: str, namespace: str, tmp_path: Path) -> None:
+    requests = (ImageRequest(image_seed=3), ImageRequest(image_seed=4))
+    run = EngineRun(model, str(tmp_path / "broken.json"), requests, connector(namespace))
+    engine = EngineProcess(dataclasses.replace(run, env=_gated(tmp_path, "gate")))
+    try:
+        wait_for(lambda: bool(list(tmp_path.glob("gate.*.ready"))), timeout=240, what="the engine")
+        destroy_namespace(namespace)  # under the running engine: every cache call now fails
+        (tmp_path / "gate").touch()
+        result = engine.wait()
+    finally:
+        engine.kill()
+    assert [len(r.token_ids) for r in result.requests] == [4, 4]
+    assert result.encoder_runs == 2  # it encoded as if no connector were there
