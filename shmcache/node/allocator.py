@@ -74,9 +74,13 @@ class Allocator:
     def gap(self, need: int) -> int | None:
         """The lowest free offset of `need` bytes right now, evicting nothing (None if none)."""
         snapshot = self._slots.array.copy()  # one pass: others may free extents while we look
-        used = (snapshot["state"] != SlotState.EMPTY) & (snapshot["size"] > 0)
-        starts = snapshot["offset"][used].astype(np.int64)
-        return first_fit(starts, starts + snapshot["size"][used].astype(np.int64), need, self.capacity)
+        size, offset = snapshot["size"], snapshot["offset"]
+        used = (snapshot["state"] != SlotState.EMPTY) & (size > 0)
+        # an extent outside the arena is a damaged record (its stripe's repair quarantines it):
+        # its bytes name no memory, and as int64 they could even be negative
+        inside = (size <= self.capacity) & (offset <= self.capacity - np.minimum(size, self.capacity))
+        starts = offset[used & inside].astype(np.int64)
+        return first_fit(starts, starts + size[used & inside].astype(np.int64), need, self.capacity)
 
     def _candidates(self) -> list[int]:
         """Slots worth evicting, best first: dead reservations, then unreferenced sealed entries,

@@ -81,9 +81,16 @@ class Counters:
         clear(row)
         self._idx[H_JOURNAL_ROW : H_JOURNAL_ROW + 4] = _I32.pack(-1)
 
-    def replay(self, clear: Callable[[int], None]) -> None:
-        """Finish a retire its process died in (the caller holds the node section)."""
+    def replay(self, clear: Callable[[int], None], dead: Callable[[int], bool]) -> bool:
+        """Finish a retire its process died in (the caller holds the node section). A journal row
+        that names no record, or a live client's, is damage, not a retire: it is dropped (the
+        totals are left as they are) and False returned."""
         row = _I32.unpack_from(self._idx, H_JOURNAL_ROW)[0]
-        if row >= 0:
-            self.retired[:] = self._journal
-            self.retire(row, clear)
+        if row == -1:
+            return True
+        if not 0 <= row < self._layout.clients or not dead(row):
+            self._idx[H_JOURNAL_ROW : H_JOURNAL_ROW + 4] = _I32.pack(-1)
+            return False
+        self.retired[:] = self._journal
+        self.retire(row, clear)
+        return True

@@ -67,7 +67,8 @@ class Repairs:
     def node(self) -> None:
         """Finish a retire and reap the dead (the caller holds the node section)."""
         index = self._index
-        index.counters.replay(index.clients.clear)
+        if not index.counters.replay(index.clients.clear, lambda row: not index.clients.live()[row]):
+            index.counters.count(Counter.CORRUPT_RECORDS)  # a damaged journal row, dropped
         self.reap_dead()
         index.counters.count(Counter.REPAIRS)
 
