@@ -5,15 +5,35 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from shmcache.errors import ConfigTypeError, InvalidConfig
 from shmcache.keys.key import HASH_ALGORITHMS
+from shmcache.keys.text import short_repr, utf8
 
-__all__ = ["NAMESPACE_PATTERN", "CacheConfig"]
+__all__ = [
+    "MAX_CLIENTS",
+    "MAX_ENTRIES",
+    "MAX_PINS",
+    "MAX_WAYS",
+    "MIN_CAPACITY",
+    "MIN_PINS",
+    "NAMESPACE_PATTERN",
+    "CacheConfig",
+]
 
-NAMESPACE_PATTERN = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,63}$")
+# anchored at both ends (\A, \Z): "$" would also match before a trailing newline
+NAMESPACE_PATTERN = re.compile(r"\A[A-Za-z0-9_-][A-Za-z0-9_.-]{0,63}\Z")
+MIN_CAPACITY = 1 << 20
+MAX_CAPACITY = 1 << 48
+MAX_WAYS = 64
+MAX_ENTRIES = 16384
+MAX_CLIENTS = 1024
+MIN_PINS, MAX_PINS = 16, 65536
+MAX_TIMEOUT_S = 366 * 86400.0  # a year: larger waits overflow the kernel's and threading's timeouts
+MAX_REMOTE_BYTES = 1 << 48
 
 
 @dataclass(frozen=True)
@@ -56,18 +76,23 @@ class CacheConfig:
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             _check_type(field.name, str(field.type), getattr(self, field.name))
-        _require(bool(NAMESPACE_PATTERN.match(self.namespace)), "namespace must match [A-Za-z0-9_.-]{1,64}")
-        _require(self.capacity_bytes >= 1 << 20, "capacity_bytes must be at least 1 MiB")
-        _require(self.ways >= 1 and self.ways <= 64, "ways must be in 1..64")
+        named = NAMESPACE_PATTERN.fullmatch(self.namespace) is not None
+        _require(named, "namespace must match [A-Za-z0-9_.-]{1,64}")
+        sized = MIN_CAPACITY <= self.capacity_bytes <= MAX_CAPACITY
+        _require(sized, "capacity_bytes must be in 1 MiB..256 TiB")
+        _require(1 <= self.ways <= MAX_WAYS, f"ways must be in 1..{MAX_WAYS}")
         _require(self.max_entries >= self.ways, "max_entries must be at least ways")
-        _require(self.max_entries <= 16384, "max_entries must be at most 16384")
-        _require(1 <= self.max_clients <= 1024, "max_clients must be in 1..1024")
-        _require(16 <= self.max_pins_per_process <= 65536, "max_pins_per_process must be in 16..65536")
+        _require(self.max_entries <= MAX_ENTRIES, f"max_entries must be at most {MAX_ENTRIES}")
+        _require(1 <= self.max_clients <= MAX_CLIENTS, f"max_clients must be in 1..{MAX_CLIENTS}")
+        _require(
+            MIN_PINS <= self.max_pins_per_process <= MAX_PINS,
+            f"max_pins_per_process must be in {MIN_PINS}..{MAX_PINS}",
+        )
         _require(
             self.ttl_s is None or (self.ttl_s > 0 and math.isfinite(self.ttl_s)), "ttl_s must be > 0 or None"
         )
-        _require(self.compute_timeout_s > 0, "compute_timeout_s must be > 0")
-        _require(self.lock_timeout_s > 0, "lock_timeout_s must be > 0")
+        _require(_timeout_ok(self.compute_timeout_s), "compute_timeout_s must be > 0 and at most a year")
+        _require(_timeout_ok(self.lock_timeout_s), "lock_timeout_s must be > 0 and at most a year")
         _require(self.return_mode in ("view", "clone"), "return_mode must be 'view' or 'clone'")
         _require(self.hash_algorithm in HASH_ALGORITHMS, f"hash_algorithm must be one of {HASH_ALGORITHMS}")
         _require(self.mode & 0o777 == self.mode and self.mode & 0o600 == 0o600, "mode must include 0o600")
@@ -75,12 +100,18 @@ class CacheConfig:
             self.store_unavailable_mode in ("degrade", "strict"),
             "store_unavailable_mode must be 'degrade' or 'strict'",
         )
-        _require(self.remote_publish_queue >= 1, "remote_publish_queue must be >= 1")
+        self._check_remote()
+        _require(self.gpu_reads in ("auto", "host"), "gpu_reads must be 'auto' or 'host'")
+        _require(self.gpu_export_bytes >= 0, "gpu_export_bytes must be >= 0 (0: never export)")
+
+    def _check_remote(self) -> None:
+        """The Mooncake settings (validated even when no remote store is configured)."""
+        _require(1 <= self.remote_publish_queue <= 1 << 20, "remote_publish_queue must be in 1..1048576")
         _require(
             self.remote_master is None or ":" in self.remote_master, "remote_master must be HOST:PORT or None"
         )
-        _require(self.gpu_reads in ("auto", "host"), "gpu_reads must be 'auto' or 'host'")
-        _require(self.gpu_export_bytes >= 0, "gpu_export_bytes must be >= 0 (0: never export)")
+        for name in ("remote_segment_bytes", "remote_buffer_bytes"):
+            _require(0 <= getattr(self, name) <= MAX_REMOTE_BYTES, f"{name} must be in 0..256 TiB")
         _require("@" not in self.remote_key_prefix, "remote_key_prefix must not contain '@'")
 
     @property
@@ -89,18 +120,28 @@ class CacheConfig:
         return self.max_entries // self.ways
 
     @classmethod
-    def from_stage_config(cls, stage: dict[str, Any]) -> CacheConfig:
+    def from_stage_config(cls, stage: Mapping[str, Any]) -> CacheConfig:
         """Build from a vLLM-Omni stage-config mapping (`enable_embedding_cache` + these fields)."""
+        if not isinstance(stage, Mapping):
+            raise ConfigTypeError(f"the stage config must be a mapping, got {type(stage).__name__}")
         names = {f.name for f in dataclasses.fields(cls)}
+        odd = [name for name in stage if not isinstance(name, str)]
+        if odd:
+            raise ConfigTypeError(f"embedding-cache setting names must be str, got {short_repr(odd[0])}")
         unknown = sorted(set(stage) - names)
         if unknown:
-            raise InvalidConfig(f"unknown embedding-cache settings: {', '.join(unknown)}")
+            listed = ", ".join(short_repr(name, 40) for name in unknown[:5])
+            raise InvalidConfig(f"unknown embedding-cache settings: {listed}")
         return cls(**stage)
 
 
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise InvalidConfig(message)
+
+
+def _timeout_ok(value: float) -> bool:
+    return 0 < value <= MAX_TIMEOUT_S  # NaN fails both comparisons
 
 
 def _check_type(name: str, annotation: str, value: Any) -> None:
@@ -115,3 +156,7 @@ def _check_type(name: str, annotation: str, value: Any) -> None:
     kinds = accepted.get(annotation, (str,))  # Literal[...] fields are strings
     if (bool not in kinds and isinstance(value, bool)) or not isinstance(value, kinds):
         raise ConfigTypeError(f"{name} must be {annotation}, got {type(value).__name__}")
+    if isinstance(value, str):
+        utf8(value, name, InvalidConfig)
+    elif isinstance(value, int) and not isinstance(value, bool) and "float" in annotation:
+        _require(abs(value) <= 1 << 53, f"{name} is out of range")  # an int too large for a float

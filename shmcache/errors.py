@@ -14,12 +14,15 @@ __all__ = [
     "CorruptSegment",
     "CorruptValue",
     "CudaError",
+    "ForeignObject",
     "InvalidConfig",
     "InvalidKey",
+    "KeyTypeError",
     "LayoutMismatch",
     "LockTimeout",
     "ProtocolViolation",
     "RemoteUnavailable",
+    "RequestIdTypeError",
     "ReservationLost",
     "SemaphoreTimeout",
     "ShmCacheError",
@@ -44,6 +47,10 @@ class InvalidKey(ShmCacheError, ValueError):
     """A key does not fit this cache (for example it was made with another hash algorithm)."""
 
 
+class KeyTypeError(InvalidKey, TypeError):
+    """A key, or a part of one (algorithm, modality, salt, digest), has the wrong type."""
+
+
 class UnsupportedValue(ShmCacheError, TypeError):
     """A value of a type or dtype the value format cannot store without pickling."""
 
@@ -62,6 +69,12 @@ class LayoutMismatch(ShmCacheError, ValueError):
 
 class CorruptSegment(ShmCacheError, RuntimeError):
     """The shared index fails its integrity checks (bad magic, CRC or bounds)."""
+
+
+class ForeignObject(ShmCacheError, PermissionError):
+    """An object of a namespace is not safely ours: owned or created by another user, a symbolic
+    link or not a regular file, not accessible to us, or with permissions wider than the configured
+    mode. Nothing was attached, created or wiped; the message names the object and its owner."""
 
 
 class ComputeTimeout(ShmCacheError, TimeoutError):
@@ -102,3 +115,7 @@ class ProtocolViolation(ShmCacheError, RuntimeError):
 
 class RemoteUnavailable(ShmCacheError, ConnectionError):
     """The remote store cannot be reached (strict mode raises this at open)."""
+
+
+class RequestIdTypeError(ShmCacheError, TypeError):
+    """A request id that cannot name a request (it must be hashable)."""

@@ -375,3 +375,23 @@ def test_destroy_removes_the_namespace_under_attached_users(
         user.get_or_compute(key(pconfig, "y"), lambda: torch.ones(1))
     user.close()
     assert kernel_objects() == before
+
+
+def test_an_unhashable_request_id_is_a_typed_error_and_takes_no_pin(
+    config: CacheConfig, pconfig: EncoderPreprocessingConfig
+) -> None:
+    from shmcache.errors import RequestIdTypeError
+
+    with EmbeddingCache(config) as cache:
+        k = key(pconfig, "held")
+        cache.put(k, torch.ones(8))
+        for call in (
+            lambda: cache.get(k, request_id=["r"]),
+            lambda: cache.put(k, torch.ones(8), request_id={"r": 1}),
+            lambda: cache.get_or_compute(k, lambda: torch.ones(8), request_id=["r"]),
+            lambda: cache.cleanup_request(["r"]),
+        ):
+            with pytest.raises(RequestIdTypeError):
+                call()
+        cache.flush_releases()
+        assert cache.stats()["references"] == 0

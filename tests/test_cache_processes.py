@@ -201,6 +201,7 @@ def test_first_attacher_after_everyone_died_wipes_stale_objects(config: CacheCon
 def test_a_never_written_index_is_stale_not_corrupt(namespace: str) -> None:
     index = Path(f"/dev/shm/shmcache.{os.geteuid()}.{namespace}.index")
     index.write_bytes(bytes(8192))  # a creator killed right after creating the file
+    index.chmod(0o600)  # as the creator makes it (wider modes are refused as foreign)
     with EmbeddingCache(
         CacheConfig(enable_embedding_cache=True, namespace=namespace, capacity_bytes=8 << 20)
     ) as cache:

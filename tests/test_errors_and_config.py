@@ -68,3 +68,72 @@ def test_stage_config_schema() -> None:
     assert config.enable_embedding_cache and config.capacity_bytes == 64 << 20
     with pytest.raises(InvalidConfig, match="capacity_gb"):
         CacheConfig.from_stage_config({"capacity_gb": 1})
+
+
+ODD_VALUES = [
+    ("namespace", "name\n", InvalidConfig),
+    ("namespace", "name\r", InvalidConfig),
+    ("namespace", "x" * 65, InvalidConfig),
+    ("remote_segment_bytes", -1, InvalidConfig),
+    ("remote_buffer_bytes", -(1 << 20), InvalidConfig),
+    ("remote_segment_bytes", 1 << 70, InvalidConfig),
+    ("remote_publish_queue", 1 << 40, InvalidConfig),
+    ("tenant_salt", "bad \ud800 salt", InvalidConfig),
+    ("remote_key_prefix", "\udcff", InvalidConfig),
+    ("remote_master", "host:\ud800", InvalidConfig),
+    ("compute_timeout_s", float("inf"), InvalidConfig),
+    ("compute_timeout_s", float("nan"), InvalidConfig),
+    ("lock_timeout_s", 1e300, InvalidConfig),
+    ("ttl_s", 10**400, InvalidConfig),
+    ("compute_timeout_s", 10**30, InvalidConfig),
+    ("capacity_bytes", 1 << 80, InvalidConfig),
+    ("hash_algorithm", ["xxh3_128"], ConfigTypeError),
+    ("return_mode", {"view"}, ConfigTypeError),
+    ("mode", 384.0, ConfigTypeError),
+]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "error"), ODD_VALUES, ids=[f"{f}-{i}" for i, (f, _v, _e) in enumerate(ODD_VALUES)]
+)
+def test_cache_config_refuses_odd_values_with_short_typed_errors(
+    field: str, value: object, error: type[Exception]
+) -> None:
+    with pytest.raises(error, match=field.split("_")[0]) as raised:
+        CacheConfig(**{field: value})  # type: ignore[arg-type]
+    assert len(str(raised.value)) < 200
+
+
+def test_the_namespace_pattern_is_anchored_at_the_end() -> None:
+    from shmcache.config import NAMESPACE_PATTERN
+    from shmcache.kernel.namespace import object_names
+
+    assert NAMESPACE_PATTERN.match("ok\n") is None and NAMESPACE_PATTERN.fullmatch("ok") is not None
+    with pytest.raises(InvalidConfig):
+        object_names("ok\n")
+    with pytest.raises(InvalidConfig) as raised:
+        object_names("/" * 10_000_000)
+    assert len(str(raised.value)) < 200
+
+
+@pytest.mark.parametrize(
+    ("stage", "error"),
+    [
+        (None, ConfigTypeError),
+        ([("capacity_bytes", 1)], ConfigTypeError),
+        ("enable_embedding_cache", ConfigTypeError),
+        ({1: True}, ConfigTypeError),
+        ({"x" * 10_000_000: 1}, InvalidConfig),
+        ({"enable_embedding_cache": "yes"}, ConfigTypeError),
+    ],
+)
+def test_stage_config_refuses_what_is_not_a_mapping(stage: object, error: type[Exception]) -> None:
+    with pytest.raises(error) as raised:
+        CacheConfig.from_stage_config(stage)  # type: ignore[arg-type]
+    assert len(str(raised.value)) < 200
+
+
+def test_new_error_classes_pair_with_their_builtins() -> None:
+    assert issubclass(errors.ForeignObject, PermissionError)
+    assert issubclass(errors.KeyTypeError, TypeError) and issubclass(errors.KeyTypeError, errors.InvalidKey)
+    assert pickle.loads(pickle.dumps(errors.ForeignObject("x"))).args == ("x",)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from shmcache import ConfigTypeError, EmbeddingCacheKey, EncoderPreprocessingConfig, InvalidConfig, InvalidKey
+from shmcache.errors import KeyTypeError, ShmCacheError, UnsupportedValue
 from shmcache.keys.framing import frame
 from shmcache.keys.key import HASH_ALGORITHMS, MODALITIES
 from shmcache.testing import sample_preprocessing
@@ -263,3 +264,110 @@ def test_bad_inputs_are_typed_errors(pconfig: EncoderPreprocessingConfig) -> Non
         EmbeddingCacheKey.from_raw_bytes(b"x", {"model": "m"}, modality="image")  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         EmbeddingCacheKey.from_decoded_tensor(np.array(["a"]), pconfig, modality="image")
+
+
+def test_zero_d_arrays_hash_their_full_shape(pconfig: EncoderPreprocessingConfig) -> None:
+    """np.array(3.0) once keyed like np.array([3.0]) (0-d promoted to 1-d): a false hit."""
+
+    def key(value: object) -> EmbeddingCacheKey:
+        return EmbeddingCacheKey.from_decoded_tensor(value, pconfig, modality="image")  # type: ignore[arg-type]
+
+    assert key(np.array(3.0)) != key(np.array([3.0])) != key(np.array([[3.0]]))
+    assert key(np.array(3.0)) == key(torch.tensor(3.0, dtype=torch.float64))  # numpy and torch agree
+    assert key(np.array(3.0)) != key(np.array(3.0, dtype=np.float32))  # the dtype is hashed
+    assert key(np.array([3.0])) == key(torch.tensor([3.0], dtype=torch.float64))
+
+
+@pytest.mark.parametrize(
+    ("parts", "error", "match"),
+    [
+        (("md5", b"x" * 16, "image", "raw"), InvalidKey, "hash algorithm"),
+        ((["xxh3_128"], b"x" * 16, "image", "raw"), KeyTypeError, "hash algorithm"),
+        (("xxh3_128", b"x" * 15, "image", "raw"), InvalidKey, "16 bytes"),
+        (("sha256", b"x" * 16, "image", "raw"), InvalidKey, "32 bytes"),
+        (("xxh3_128", bytearray(16), "image", "raw"), KeyTypeError, "digest"),
+        (("xxh3_128", "x" * 16, "image", "raw"), KeyTypeError, "digest"),
+        (("xxh3_128", b"x" * 16, "smell", "raw"), InvalidKey, "modality"),
+        (("xxh3_128", b"x" * 16, {"image"}, "raw"), KeyTypeError, "modality"),
+        (("xxh3_128", b"x" * 16, "image", "bogus"), InvalidKey, "key kind"),
+        (("xxh3_128", b"x" * 16, "image", None), KeyTypeError, "key kind"),
+    ],
+)
+def test_the_public_constructor_validates_every_part(
+    parts: tuple, error: type[Exception], match: str
+) -> None:  # type: ignore[type-arg]
+    with pytest.raises(error, match=match):
+        EmbeddingCacheKey(*parts)
+
+
+def test_the_public_constructor_accepts_real_parts(pconfig: EncoderPreprocessingConfig) -> None:
+    made = EmbeddingCacheKey.from_raw_bytes(b"x", pconfig, modality="video", algorithm="blake3")
+    again = EmbeddingCacheKey(made.algorithm, made.digest, made.modality, made.kind)
+    assert again == made and (again.modality, again.kind) == ("video", "raw")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"modality": ["image"]}, KeyTypeError),
+        ({"modality": {"image": 1}}, KeyTypeError),
+        ({"modality": 3}, KeyTypeError),
+        ({"modality": "x" * 10_000_000}, InvalidKey),
+        ({"algorithm": ["sha256"]}, KeyTypeError),
+        ({"algorithm": np.array(["a", "b"])}, KeyTypeError),
+        ({"algorithm": None}, KeyTypeError),
+        ({"tenant_salt": "bad \ud800 salt"}, InvalidKey),
+        ({"tenant_salt": ["salt"]}, UnsupportedValue),
+        ({"tenant_salt": bytearray(b"salt")}, UnsupportedValue),
+    ],
+)
+def test_odd_key_parts_are_typed_errors_with_short_messages(
+    pconfig: EncoderPreprocessingConfig,
+    kwargs: dict,
+    error: type[Exception],  # type: ignore[type-arg]
+) -> None:
+    arguments = {"modality": "image", **kwargs}
+    for make in (
+        lambda: EmbeddingCacheKey.from_raw_bytes(b"x", pconfig, **arguments),
+        lambda: EmbeddingCacheKey.from_decoded_tensor(np.ones(2), pconfig, **arguments),
+        lambda: EmbeddingCacheKey.from_token_prefix([1], pconfig, **arguments),
+    ):
+        with pytest.raises(error) as raised:
+            make()
+        assert isinstance(raised.value, ShmCacheError) and len(str(raised.value)) < 200
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+@pytest.mark.parametrize("what", ["meta", "nested", "jagged"])
+def test_tensors_without_data_or_one_shape_are_typed_errors(
+    pconfig: EncoderPreprocessingConfig, what: str
+) -> None:
+    if what == "meta":
+        tensor = torch.empty(4, device="meta")
+    else:
+        layout = torch.jagged if what == "jagged" else torch.strided
+        tensor = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=layout)
+    with pytest.raises(UnsupportedValue, match=what.replace("jagged", "nested")):
+        EmbeddingCacheKey.from_decoded_tensor(tensor, pconfig, modality="image")
+
+
+def test_preprocessing_config_refuses_lone_surrogates_and_huge_numbers() -> None:
+    with pytest.raises(InvalidConfig, match="model_id"):
+        sample_preprocessing(model_id="bad \udcff id")
+    with pytest.raises(InvalidConfig, match="normalize_mean"):
+        sample_preprocessing(normalize_mean=(10**400,))
+    with pytest.raises(InvalidConfig, match="normalize_std"):
+        sample_preprocessing(normalize_std=(float("nan"),))
+    with pytest.raises(InvalidConfig, match="audio_sample_rate"):
+        sample_preprocessing(audio_sample_rate=1 << 64)
+    with pytest.raises(InvalidConfig, match="image_size"):
+        sample_preprocessing(image_size=(448, -(1 << 70)))
+
+
+def test_framing_errors_are_typed() -> None:
+    with pytest.raises(InvalidKey, match="NaN"):
+        frame(float("nan"))
+    with pytest.raises(InvalidKey, match="surrogate"):
+        frame("\ud800")
+    with pytest.raises(KeyTypeError):
+        frame([1, 2])  # type: ignore[arg-type]

@@ -154,3 +154,56 @@ def _flip(buffer: bytearray, position: int, byte: int) -> bytes:
     out = bytearray(buffer)
     out[position % len(out)] = byte
     return bytes(out)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        np.array(3.0),
+        np.array(7, dtype=np.uint8),
+        np.array(True),
+        torch.tensor(2.5),
+        torch.tensor(1, dtype=torch.int8),
+    ],
+    ids=lambda v: f"{type(v).__module__.split('.')[0]}-{v.dtype}",
+)
+def test_zero_d_values_keep_their_shape(value: object) -> None:
+    out = decode(encode(value))
+    assert type(out) is type(value) and tuple(out.shape) == () and out.dtype == value.dtype  # type: ignore[attr-defined]
+    assert out.tolist() == value.tolist()  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    "hidden",
+    [np.arange(6, dtype=np.float16).reshape(2, 3), np.array(4.0), torch.ones(2, 3, dtype=torch.bfloat16)],
+    ids=["numpy", "numpy-0d", "torch"],
+)
+def test_hidden_state_prefix_round_trips_numpy_and_torch_hidden_states(hidden: object) -> None:
+    value = HiddenStatePrefix([1, 2], hidden, {"k": 1})  # type: ignore[arg-type]
+    for copy in (False, True):
+        out = decode(encode(value), copy=copy)
+        assert isinstance(out, HiddenStatePrefix) and out.token_ids == [1, 2] and out.metadata == {"k": 1}
+        assert type(out.hidden_states) is type(hidden) and out.hidden_states.dtype == hidden.dtype  # type: ignore[attr-defined]
+        assert tuple(out.hidden_states.shape) == tuple(hidden.shape)  # type: ignore[attr-defined]
+        assert out.hidden_states.tolist() == hidden.tolist()  # type: ignore[attr-defined]
+        from shmcache.format.decode import alias
+
+        aliased = alias(out)
+        assert type(aliased.hidden_states) is type(hidden)
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_values_that_cannot_be_stored_are_typed_errors() -> None:
+    nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    for value in (
+        torch.empty(3, device="meta"),
+        nested,
+        {"ok": torch.ones(1), "bad \ud800 name": torch.ones(1)},
+        {"meta": torch.empty(2, device="meta")},
+        HiddenStatePrefix([1], torch.empty(2, device="meta")),
+        HiddenStatePrefix([1], torch.ones(1), {"x" * 10_000_000: 1}),  # type: ignore[dict-item]
+        HiddenStatePrefix([1], torch.ones(1), {"nan": float("nan")}),
+    ):
+        with pytest.raises(UnsupportedValue) as raised:
+            encode(value)
+        assert len(str(raised.value)) < 200

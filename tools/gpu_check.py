@@ -23,7 +23,7 @@ In real spawned processes sharing one namespace, it checks:
 
 Each check is printed as it ends; exit status 0 when every check passed, 1 otherwise, 2 without
 CUDA. Workers die with this process (even on SIGKILL of it). On the lent device machine the image
-lacks posix_ipc and blake3: docs/gpu.md says how to carry their wheels. The worker processes
+lacks blake3: docs/gpu.md says how to carry its wheel. The worker processes
 are in tools/gpu_check_workers.py.
 """
 

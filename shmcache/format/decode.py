@@ -278,8 +278,8 @@ def _assemble(parsed: ParsedValue, values: list[Any]) -> Value:
             raise CorruptValue("HiddenStatePrefix metadata is not valid JSON") from None
         if not isinstance(metadata, dict):
             raise CorruptValue("HiddenStatePrefix metadata is not a JSON object")
-        hidden = _expect(values[1], parsed.arrays[1], torch_lib=True)
-        return HiddenStatePrefix(_token_list(values[0]), hidden, metadata)
+        # hidden states come back as they went in: a torch tensor, or a numpy array
+        return HiddenStatePrefix(_token_list(values[0]), values[1], metadata)
     names = [spec.name for spec in parsed.arrays]
     if len(set(names)) != len(names):
         raise CorruptValue("tensor dict has duplicate names")
@@ -304,7 +304,7 @@ def alias(value: Value) -> Value:
     if isinstance(value, np.ndarray):
         return value.view()
     if isinstance(value, HiddenStatePrefix):
-        return HiddenStatePrefix(list(value.token_ids), value.hidden_states.detach(), dict(value.metadata))
+        return HiddenStatePrefix(list(value.token_ids), alias(value.hidden_states), dict(value.metadata))
     if isinstance(value, list):
         return list(value)
     if isinstance(value, dict):

@@ -14,6 +14,11 @@ Arrays that were on a GPU (lib 3 and 4) are stored here as their host copy; `Enc
 carries the device arrays, which the GPU layer exports (see `shmcache.gpu`). Readers without CUDA
 get them back as CPU torch tensors (3) and numpy arrays (4).
 
+Every value round-trips as it was put: 0-d arrays keep shape ``()``, a `HiddenStatePrefix` gets
+back hidden states of the library it was stored with (torch or numpy). What cannot be stored is
+refused at `plan` with `UnsupportedValue` (meta, nested or sparse tensors, tensor dict keys that
+are not valid text, metadata that is not JSON), never accepted and then lost.
+
 No pickle anywhere: a shared segment must not be a code-execution path into other processes.
 This module holds the value types and the encoder (`plan`, `encode`); reading is in
 `shmcache.format.decode`, which bounds-checks every field and raises `CorruptValue` for
@@ -33,6 +38,7 @@ import numpy as np
 
 from shmcache.errors import UnsupportedValue
 from shmcache.keys.dtypes import tensor_bytes
+from shmcache.keys.text import short_repr, utf8
 
 if TYPE_CHECKING:
     import torch
@@ -73,10 +79,14 @@ MetadataValue = str | int | float | bool | None
 
 @dataclass(frozen=True)
 class HiddenStatePrefix:
-    """Token ids with the hidden states computed for them, plus JSON-able metadata."""
+    """Token ids with the hidden states computed for them, plus JSON-able metadata.
+
+    `hidden_states` is a torch tensor (CPU or CUDA) or a numpy array, and comes back as the same
+    kind of array it was stored as.
+    """
 
     token_ids: list[int]
-    hidden_states: torch.Tensor
+    hidden_states: torch.Tensor | np.ndarray[Any, Any]
     metadata: dict[str, MetadataValue] = field(default_factory=dict)
 
 
@@ -190,7 +200,7 @@ def _classify(value: Value) -> tuple[int, list[_Array], bytes]:
         for name, item in value.items():
             if not isinstance(name, str):
                 raise UnsupportedValue(f"tensor dict keys must be str, got {type(name).__name__}")
-            if len(name.encode()) > 255:
+            if len(utf8(name, "a tensor dict key", UnsupportedValue)) > 255:
                 raise UnsupportedValue("tensor dict keys are limited to 255 utf-8 bytes")
             arrays.append(_array(item, name))
         return KIND_TENSOR_DICT, arrays, b""
@@ -211,7 +221,9 @@ def _metadata_json(metadata: Any) -> bytes:
         raise UnsupportedValue("HiddenStatePrefix.metadata must be a dict")
     for name, item in metadata.items():
         if not isinstance(name, str) or not isinstance(item, str | int | float | bool | type(None)):
-            raise UnsupportedValue(f"metadata {name!r}: values must be str, int, float, bool or None")
+            raise UnsupportedValue(
+                f"metadata {short_repr(name)}: names are str, values str, int, float, bool or None"
+            )
     try:
         raw = json.dumps(dict(metadata), sort_keys=True, allow_nan=False).encode()
     except ValueError as exc:

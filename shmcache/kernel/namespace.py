@@ -1,32 +1,41 @@
-"""A namespace's kernel objects: create, attach, wipe and destroy them, under a bootstrap lock.
+"""A namespace's kernel objects: create, verify, attach, wipe and destroy them, under a bootstrap lock.
 
 Objects of namespace NS for user UID (owner-only, mode 0600 by default):
 
-- ``/dev/shm/shmcache.UID.NS.index``  the index segment (POSIX shm, see `shmcache.layout`)
+- ``/dev/shm/shmcache.UID.NS.index``  the index segment (POSIX shm, see `shmcache.node.layout`)
 - ``/dev/shm/shmcache.UID.NS.arena``  the data arena (POSIX shm, reserved up front with fallocate)
 - ``/dev/shm/shmcache.UID.NS.lock``   the bootstrap lock file (flock; released by the kernel at death)
 - one SysV semaphore set (IPC_PRIVATE), its id stored in the index header
 
-Attach, detach and destroy run under the bootstrap lock. The first attacher after every client died
-(or after a creator died mid-creation) wipes the stale objects and creates them afresh.
+Attach, detach and destroy run under the bootstrap lock. Every object is verified before it is
+used or removed (`shmcache.kernel.ownership`): files are opened without following links and
+checked on the descriptor (regular, owned by UID, mode no wider than the configured one), the
+semaphore set by IPC_STAT (owner and creator UID, mode) and its signature; a mismatch raises
+`ForeignObject` and nothing is attached, created or wiped. Tools that only read or clean up
+(`config=None`, `create=False`) check the owner, not the mode.
+
+The first attacher after every client died (or after a creator died mid-creation) wipes the stale
+objects and creates them afresh; only a *proven-dead* namespace is wiped, and an index whose header
+fails its checks is `CorruptSegment`, never stale (`shmcache.kernel.identity` has the rules). A
+failed open removes the lock file when it created it, or when no index is left to protect.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import mmap
 import os
 import secrets
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 
-import posix_ipc
-
-from shmcache.config import NAMESPACE_PATTERN, CacheConfig
-from shmcache.errors import CapacityError, CorruptSegment, InvalidConfig, LayoutMismatch, SemaphoreTimeout
+from shmcache.config import CacheConfig
+from shmcache.errors import CapacityError, CorruptSegment, ForeignObject, LayoutMismatch
+from shmcache.kernel.identity import judge, namespace_set, never_written
+from shmcache.kernel.lockfile import ANY_MODE, bootstrap_lock
+from shmcache.kernel.names import PREFIX, SHM_DIR, ObjectNames, list_namespaces, object_names
+from shmcache.kernel.ownership import Expected, open_verified, owner_by_name
 from shmcache.kernel.semaphores import SemaphoreSet
 from shmcache.keys.key import HASH_ALGORITHMS
 from shmcache.node import crashpoints
@@ -34,7 +43,9 @@ from shmcache.node.crashpoints import CrashPoint
 from shmcache.node.layout import H_READY, HEADER_SIZE, LAYOUT_VERSION, MAGIC, Header, Layout
 
 __all__ = [
+    "PREFIX",
     "SHM_DIR",
+    "ObjectNames",
     "Segments",
     "bootstrap_lock",
     "create",
@@ -42,40 +53,10 @@ __all__ = [
     "list_namespaces",
     "object_names",
     "open_existing",
+    "remove_fragments",
     "remove_objects",
     "wipe",
 ]
-
-SHM_DIR = "/dev/shm"
-PREFIX = "shmcache"
-
-
-@dataclass(frozen=True)
-class ObjectNames:
-    """The names of a namespace's shared-memory objects."""
-
-    index: str
-    arena: str
-    lock_path: str
-
-
-def object_names(namespace: str, uid: int | None = None) -> ObjectNames:
-    """Names for `namespace` of user `uid` (default: this process's effective uid);
-    `InvalidConfig` for a name that could escape /dev/shm or is not a namespace name."""
-    if not isinstance(namespace, str) or not NAMESPACE_PATTERN.match(namespace):
-        raise InvalidConfig(f"namespace must match [A-Za-z0-9_.-]{{1,64}}, got {namespace!r}")
-    base = f"{PREFIX}.{os.geteuid() if uid is None else uid}.{namespace}"
-    return ObjectNames(f"/{base}.index", f"/{base}.arena", f"{SHM_DIR}/{base}.lock")
-
-
-def list_namespaces(uid: int | None = None) -> list[str]:
-    """Namespaces of user `uid` that have an index segment in /dev/shm."""
-    prefix = f"{PREFIX}.{os.geteuid() if uid is None else uid}."
-    return sorted(
-        name[len(prefix) : -len(".index")]
-        for name in os.listdir(SHM_DIR)
-        if name.startswith(prefix) and name.endswith(".index")
-    )
 
 
 @dataclass
@@ -90,63 +71,17 @@ class Segments:
     sems: SemaphoreSet
 
 
-@contextlib.contextmanager
-def bootstrap_lock(names: ObjectNames, mode: int, timeout: float, *, create: bool = True) -> Iterator[bool]:
-    """Hold the namespace's flock; yields False (holding nothing) if `create` is off and the lock file
-    is gone, which means the namespace was destroyed. Retries if the file is unlinked while we wait."""
-    deadline = time.monotonic() + timeout
-    delay = 0.0005
-    flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if create else 0)
-    while True:
-        try:
-            fd = os.open(names.lock_path, flags, mode)
-        except FileNotFoundError:
-            yield False
-            return
-        try:
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise SemaphoreTimeout(
-                            f"bootstrap lock {names.lock_path} busy for {timeout:.1f}s"
-                        ) from None
-                    time.sleep(delay)
-                    delay = min(delay * 2, 0.05)
-            try:
-                current = os.stat(names.lock_path)
-            except FileNotFoundError:
-                current = None
-            if current is not None and current.st_ino == os.fstat(fd).st_ino:
-                break
-        except BaseException:
-            os.close(fd)
-            raise
-        os.close(fd)  # the file we locked was unlinked by a destroyer: lock the new one
-    try:
-        yield True
-    finally:
-        os.close(fd)  # closing the only descriptor releases the flock
-
-
-def _open_shm(name: str) -> mmap.mmap | None:
-    try:
-        shm = posix_ipc.SharedMemory(name)
-    except posix_ipc.ExistentialError:
+def _map(fd: int | None) -> mmap.mmap | None:
+    """A shared read-write mapping of the whole file `fd` (None for no file or an empty one)."""
+    if fd is None:
         return None
-    try:
-        if shm.size == 0:
-            return None
-        return mmap.mmap(shm.fd, shm.size)
-    finally:
-        shm.close_fd()
+    size = os.fstat(fd).st_size
+    return mmap.mmap(fd, size) if size else None
 
 
-def _unlink(name: str) -> None:
-    with contextlib.suppress(posix_ipc.ExistentialError):
-        posix_ipc.unlink_shared_memory(name)
+def _close(fd: int | None) -> None:
+    if fd is not None:
+        os.close(fd)
 
 
 def _settings(config: CacheConfig) -> tuple[int | float, ...]:
@@ -172,57 +107,46 @@ _SETTING_NAMES = (
 )
 
 
-def _signature(sems: SemaphoreSet, layout: Layout) -> int:
-    return sems.value(layout.signature_sem) | sems.value(layout.signature_sem + 1) << 15
+def _expected(names: ObjectNames, config: CacheConfig | None) -> Expected:
+    return Expected(names.uid, None if config is None else config.mode)
 
 
 def open_existing(names: ObjectNames, config: CacheConfig | None) -> Segments | None:
-    """Attach to a live namespace. Returns None if it is absent or stale (no live client, or
-    half-created); the caller then wipes and creates. Raises `LayoutMismatch` if it is live with other
-    settings and `CorruptSegment` if its header is damaged. With `config=None` any settings are taken.
+    """Attach to a live namespace. Returns None if it is absent or proven dead (no live client, or
+    half-created); the caller then wipes and creates. Raises `ForeignObject` if an object is not
+    ours (nothing is touched), `LayoutMismatch` if it is live with other settings and
+    `CorruptSegment` if its header is damaged. With `config=None` any settings are taken.
     """
-    index = _open_shm(names.index)
-    if index is None:
-        return None
-    if len(index) >= HEADER_SIZE and index[: len(MAGIC)] == bytes(len(MAGIC)):
-        index.close()  # never written: its creator died before the header (we hold the bootstrap lock)
-        return None
+    expected = _expected(names, config)
+    index_fd = arena_fd = None
     try:
-        header = Header.read(index)
-    except CorruptSegment:
-        index.close()
-        raise
-    if header.layout_version != LAYOUT_VERSION:
-        index.close()
-        raise LayoutMismatch(
-            f"namespace {names.index} has layout version {header.layout_version}, "
-            f"this shmcache writes {LAYOUT_VERSION}"
-        )
-    layout = header.layout
-    sems = SemaphoreSet(header.semid, layout.semaphores)
-    stale = (
-        header.ready != 1
-        or len(index) != layout.size
-        or not sems.probe()
-        or _signature(sems, layout) != header.signature
-    )
-    if not stale:
-        live = sems.values()[layout.client_sem(0) : layout.client_sem(layout.clients)]
-        stale = not live.any()
-    if stale:
-        index.close()
-        return None
-    if config is not None:
+        index_fd = open_verified(names.index_path, os.O_RDWR, expected, "index segment")
+        arena_fd = open_verified(names.arena_path, os.O_RDWR, expected, "arena segment")
+        index = _map(index_fd)
+        if index is None:
+            return None  # absent, or its creator died before sizing it
         try:
-            _check_settings(header, config)
-        except LayoutMismatch:
+            found = judge(index, names.index, expected)
+            if found is None:
+                index.close()
+                return None
+            header, sems = found
+            arena = _map(arena_fd)
+            if arena is None or len(arena) != header.capacity:
+                raise CorruptSegment(f"arena {names.arena} is missing or its size is not the header's")
+            if config is not None:
+                try:
+                    _check_settings(header, config)
+                except LayoutMismatch:
+                    arena.close()
+                    raise
+        except BaseException:
             index.close()
             raise
-    arena = _open_shm(names.arena)
-    if arena is None or len(arena) != header.capacity:
-        index.close()
-        raise CorruptSegment(f"arena {names.arena} is missing or has the wrong size")
-    return Segments(names, layout, index, arena, header.capacity, sems)
+        return Segments(names, header.layout, index, arena, header.capacity, sems)
+    finally:
+        _close(index_fd)
+        _close(arena_fd)
 
 
 def _check_settings(header: Header, config: CacheConfig) -> None:
@@ -265,12 +189,11 @@ def create(names: ObjectNames, config: CacheConfig) -> Segments:
         # order matters for a creator killed midway: the index (all zeros: stale) first, then the
         # semaphore set, named in the header right away (so a wiper finds and removes it), and the
         # slow arena reservation last; `ready` is set only when everything exists
-        index = _create_shm(names.index, layout.size, config.mode, created)
-        sems = SemaphoreSet.create(layout.semaphores, config.mode)
+        index = _create_shm(names.index_path, layout.size, config.mode, created)
+        sems = _create_set(layout, config.mode)
         sig = secrets.randbelow((1 << 30) - 1) + 1
         sems.set_value(layout.signature_sem, sig & 0x7FFF)
         sems.set_value(layout.signature_sem + 1, sig >> 15)
-        ttl, algo = config.ttl_s or 0.0, HASH_ALGORITHMS.index(config.hash_algorithm)
         header = Header(
             magic=MAGIC,
             layout_version=LAYOUT_VERSION,
@@ -282,65 +205,117 @@ def create(names: ObjectNames, config: CacheConfig) -> Segments:
             capacity=config.capacity_bytes,
             semid=sems.semid,
             signature=sig,
-            ttl=ttl,
+            ttl=config.ttl_s or 0.0,
             created=time.time(),
-            algorithm=algo,
+            algorithm=HASH_ALGORITHMS.index(config.hash_algorithm),
             node_held=0,
             journal_row=-1,
             mode=config.mode,
         )
-        index[:HEADER_SIZE] = header.pack().ljust(HEADER_SIZE, b"\0")
+        packed = header.pack().ljust(HEADER_SIZE, b"\0")
+        index[len(MAGIC) : HEADER_SIZE] = packed[len(MAGIC) :]
+        index[: len(MAGIC)] = MAGIC  # last: a header without its magic was never finished
         crashpoints.reached(CrashPoint.CREATING_NAMESPACE)
-        arena = _create_shm(names.arena, config.capacity_bytes, config.mode, created)
+        arena = _create_shm(names.arena_path, config.capacity_bytes, config.mode, created)
         index[H_READY : H_READY + 4] = (1).to_bytes(4, "little")
         return Segments(names, layout, index, arena, config.capacity_bytes, sems)
     except BaseException:
-        for name in created:
-            _unlink(name)
+        for path in created:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
         if sems is not None:
             sems.remove()
         raise
 
 
-def _create_shm(name: str, size: int, mode: int, created: list[str]) -> mmap.mmap:
-    shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=mode)
-    created.append(name)
+def _create_set(layout: Layout, mode: int) -> SemaphoreSet:
+    try:
+        return SemaphoreSet.create(layout.semaphores, mode)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EINVAL):
+            raise CapacityError(
+                f"cannot create a set of {layout.semaphores} semaphores: {exc.strerror}"
+            ) from None
+        raise
+
+
+def _create_shm(path: str, size: int, mode: int, created: list[str]) -> mmap.mmap:
+    expected = Expected(os.geteuid(), mode)
+    try:
+        fd = open_verified(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, expected, "segment", mode)
+    except FileExistsError:
+        raise ForeignObject(
+            f"segment {path} (owner uid {owner_by_name(path)}) appeared while this process created "
+            "the namespace under its lock"
+        ) from None
+    assert fd is not None
+    created.append(path)
     try:
         try:
-            os.posix_fallocate(shm.fd, 0, size)  # reserve now: a full tmpfs fails here, not with SIGBUS later
+            os.posix_fallocate(fd, 0, size)  # reserve now: a full tmpfs fails here, not with SIGBUS later
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
                 raise CapacityError(
-                    f"cannot reserve {size} bytes for {name} in {SHM_DIR}: {exc.strerror}"
+                    f"cannot reserve {size} bytes for {path} in {SHM_DIR}: {exc.strerror}"
                 ) from None
             raise
-        return mmap.mmap(shm.fd, size)
+        return mmap.mmap(fd, size)
     finally:
-        shm.close_fd()
+        os.close(fd)
 
 
-def wipe(names: ObjectNames) -> None:
-    """Remove a namespace's index, arena and (if it is verifiably ours) its semaphore set."""
-    index = _open_shm(names.index)
-    if index is not None:
-        try:
-            header = Header.read(index)
-            layout = header.layout
-            sems = SemaphoreSet(header.semid, layout.semaphores)
-            if sems.probe() and _signature(sems, layout) == header.signature:
-                sems.remove()
-        except CorruptSegment:
-            pass  # nothing trustworthy names a semaphore set: leave IPC alone
-        finally:
-            index.close()
-    _unlink(names.index)
-    _unlink(names.arena)
+def wipe(names: ObjectNames, mode: int | None = None) -> None:
+    """Remove a namespace's index, arena and (if it is verifiably this namespace's) its semaphore
+    set. Every object is verified first (owner always, `mode` when given): `ForeignObject` if one
+    is not ours, and then nothing is removed."""
+    expected = Expected(names.uid, mode)
+    index_fd = arena_fd = None
+    try:
+        index_fd = open_verified(names.index_path, os.O_RDWR, expected, "index segment")
+        arena_fd = open_verified(names.arena_path, os.O_RDWR, expected, "arena segment")
+        sems = _set_to_remove(index_fd, expected)
+    finally:
+        _close(index_fd)
+        _close(arena_fd)
+    if sems is not None:
+        sems.remove()
+    for path in (names.index_path, names.arena_path):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def _set_to_remove(index_fd: int | None, expected: Expected) -> SemaphoreSet | None:
+    """The semaphore set a (verified) index names, if it is this namespace's: ours, of the size
+    the header gives, carrying its signature. A header not finished by its creator still names
+    the set it made. `ForeignObject` if the named set is another user's."""
+    index = _map(index_fd)
+    if index is None or len(index) < HEADER_SIZE:
+        return None
+    with index:
+        raw = bytes(index[:HEADER_SIZE])
+    if never_written(raw):
+        if raw == bytes(HEADER_SIZE):
+            return None
+        raw = MAGIC + raw[len(MAGIC) :]  # fields written, magic not yet: trust only a signed set
+    try:
+        header = Header.read(raw)
+        if header.layout_version != LAYOUT_VERSION or not _plausible(header):
+            return None
+        return namespace_set(header, Expected(expected.uid, None), strict=False)
+    except CorruptSegment:
+        return None  # nothing trustworthy names a semaphore set: leave IPC alone
+
+
+def _plausible(header: Header) -> bool:
+    """Layout fields small enough to size a semaphore set by (the signature decides the rest)."""
+    return 1 <= header.stripes <= 1 << 16 and 1 <= header.ways <= 64 and 1 <= header.clients <= 4096
 
 
 def destroy_namespace(namespace: str, *, timeout: float = 10.0) -> None:
-    """Remove every object of `namespace`, attached processes or not (they get `CacheClosed`)."""
+    """Remove every object of `namespace`, attached processes or not (they get `CacheClosed`).
+    Only objects owned by this user are removed (`ForeignObject` otherwise, and nothing is)."""
     names = object_names(namespace)
-    with bootstrap_lock(names, 0o600, timeout):
+    with bootstrap_lock(names, 0o600, timeout, widest=ANY_MODE):
         remove_objects(names)
 
 
@@ -349,3 +324,11 @@ def remove_objects(names: ObjectNames) -> None:
     wipe(names)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(names.lock_path)
+
+
+def remove_fragments(names: ObjectNames) -> list[str]:
+    """Remove the index and arena of a namespace that has no lock file (nothing can be running its
+    protocol), after verifying they are ours; returns the names removed."""
+    present = [name for name in (names.index, names.arena) if os.path.lexists(f"{SHM_DIR}{name}")]
+    wipe(names)
+    return present

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from shmcache.errors import UnsupportedValue
+from shmcache.errors import CudaError, UnsupportedValue
 
 if TYPE_CHECKING:
     import torch
@@ -71,13 +71,15 @@ def tensor_bytes(tensor: Any) -> tuple[str, tuple[int, ...], memoryview]:
     """(canonical dtype name, shape, C-contiguous bytes) of a torch tensor or numpy array.
 
     CUDA tensors are copied to the host; non-contiguous inputs are made contiguous; numpy arrays
-    in non-native byte order are converted to native order. Raises `UnsupportedValue` for object,
-    string, quantized and sparse data.
+    in non-native byte order are converted to native order; 0-d arrays stay 0-d (shape ``()``).
+    Raises `UnsupportedValue` for object, string, quantized, sparse, nested and meta data, and
+    `CudaError` if a CUDA tensor cannot be copied to the host.
     """
     if isinstance(tensor, np.ndarray):
         if tensor.dtype.kind not in _NUMPY_KINDS:
             raise UnsupportedValue(f"numpy dtype {tensor.dtype} cannot be stored as raw bytes")
-        array = np.ascontiguousarray(tensor, dtype=tensor.dtype.newbyteorder("="))
+        # np.asarray keeps 0-d arrays 0-d (np.ascontiguousarray would make them 1-d: a false hit)
+        array = np.asarray(tensor, dtype=tensor.dtype.newbyteorder("="), order="C")
         return array.dtype.name, tuple(array.shape), _byte_view(array)
     try:
         import torch
@@ -85,15 +87,23 @@ def tensor_bytes(tensor: Any) -> tuple[str, tuple[int, ...], memoryview]:
         torch = None  # type: ignore[assignment]
     if torch is None or not isinstance(tensor, torch.Tensor):
         raise UnsupportedValue(f"expected a torch.Tensor or numpy.ndarray, got {type(tensor).__name__}")
+    if tensor.is_nested:
+        raise UnsupportedValue("nested tensors cannot be stored or hashed (no single shape)")
     if tensor.is_sparse or tensor.layout != torch.strided:
         raise UnsupportedValue(f"only strided tensors can be stored, got layout {tensor.layout}")
     if tensor.is_quantized:
         raise UnsupportedValue("quantized tensors cannot be stored as raw bytes")
+    if tensor.device.type == "meta":
+        raise UnsupportedValue("meta tensors have no data to store or hash")
     name = torch_dtype_name(tensor.dtype)
     host = tensor.detach()
-    if host.device.type != "cpu":
-        host = host.cpu()
-    host = host.resolve_conj().resolve_neg().contiguous()
+    try:
+        if host.device.type != "cpu":
+            host = host.cpu()
+        host = host.resolve_conj().resolve_neg().contiguous()
+    except (RuntimeError, NotImplementedError) as exc:  # a device or tensor type torch cannot copy
+        reason = f"cannot read the data of a {host.device.type} tensor: {str(exc)[:80]}"
+        raise (CudaError if host.device.type == "cuda" else UnsupportedValue)(reason) from None
     shape = tuple(host.shape)
     if host.numel() == 0:
         return name, shape, memoryview(b"")

@@ -3,12 +3,17 @@
 Every item is written as a one-byte type tag, then its length, then its bytes. Tuples carry their
 element count and frame every element, so ("ab", "c") and ("a", "bc"), "" and None, (1, (2,)) and
 (1, 2), or 1 and True and 1.0 can never serialize to the same bytes (the bug of vllm#54283).
+What cannot be framed is a typed error: `InvalidKey` for NaN and text with lone surrogates,
+`KeyTypeError` for a value of another type.
 """
 
 from __future__ import annotations
 
 import math
 import struct
+
+from shmcache.errors import InvalidKey, KeyTypeError
+from shmcache.keys.text import utf8
 
 __all__ = ["Frameable", "frame"]
 
@@ -38,10 +43,10 @@ def _frame_into(value: Frameable, out: list[bytes]) -> None:
         out += (_INT, _LEN.pack(len(raw)), raw)
     elif isinstance(value, float):
         if math.isnan(value):
-            raise ValueError("NaN cannot be part of a key: it never compares equal to itself")
+            raise InvalidKey("NaN cannot be part of a key: it never compares equal to itself")
         out += (_FLOAT, _F64.pack(value))
     elif isinstance(value, str):
-        raw = value.encode("utf-8")
+        raw = utf8(value, "a key string", InvalidKey)
         out += (_STR, _LEN.pack(len(raw)), raw)
     elif isinstance(value, bytes | bytearray | memoryview):
         raw = bytes(value)
@@ -51,4 +56,4 @@ def _frame_into(value: Frameable, out: list[bytes]) -> None:
         for item in value:
             _frame_into(item, out)
     else:
-        raise TypeError(f"cannot frame a value of type {type(value).__name__}")
+        raise KeyTypeError(f"cannot frame a value of type {type(value).__name__}")

@@ -8,6 +8,13 @@ content's length and its full-width digest under the same algorithm, so the cont
 part, is hashed once at the hash function's full speed. The three namespaces are explicit
 constructors, never chosen automatically. Digests are full width (16 bytes for xxh3_128, 32 for
 blake3 and sha256) and identical across processes and interpreter runs.
+
+The dtype and the full shape of a tensor are hashed, 0-d included (a 0-d array never shares a key
+with its 1-d twin). Every input is validated first, with a short typed error: `KeyTypeError` (an
+`InvalidKey` and a TypeError) for an algorithm, modality, kind or digest of the wrong type,
+`InvalidKey` for an unknown one, a digest of the wrong width or text with lone surrogates (a salt),
+`UnsupportedValue` for content that cannot be hashed (meta, nested, sparse tensors, object arrays).
+The public constructor `EmbeddingCacheKey(algorithm, digest, modality, kind)` validates its parts too.
 """
 
 from __future__ import annotations

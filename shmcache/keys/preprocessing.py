@@ -9,6 +9,7 @@ from typing import Any
 
 from shmcache.errors import ConfigTypeError, InvalidConfig
 from shmcache.keys.framing import Frameable, frame
+from shmcache.keys.text import utf8
 
 __all__ = ["EncoderPreprocessingConfig"]
 
@@ -19,7 +20,9 @@ class EncoderPreprocessingConfig:
 
     Fields that do not apply to a modality take their empty value ("" , 0 or ()): an audio
     encoder passes image_size=(), an image encoder passes audio_codec_version="".
-    Lists are normalised to tuples; a wrong type raises `ConfigTypeError` (a TypeError) naming the field.
+    Lists are normalised to tuples; a wrong type raises `ConfigTypeError` (a TypeError) naming the field,
+    a value out of range (an int beyond 64 bits, a non-finite or huge float, a string with a lone
+    surrogate) `InvalidConfig` (a ValueError).
     """
 
     cache_schema_version: int
@@ -60,15 +63,35 @@ class EncoderPreprocessingConfig:
         return cached
 
 
+_INT64 = 1 << 63
+
+
+def _checked_int(name: str, value: int) -> int:
+    if not -_INT64 <= value < _INT64:
+        raise InvalidConfig(f"{name} must fit in 64 bits")
+    return int(value)
+
+
+def _checked_float(name: str, value: float) -> float:
+    try:
+        item = float(value)
+    except OverflowError:  # an int too large for a float
+        raise InvalidConfig(f"{name} must hold finite values, got a huge int") from None
+    if not math.isfinite(item):
+        raise InvalidConfig(f"{name} must hold finite values, got {item!r}")
+    return item
+
+
 def _checked(name: str, annotation: Any, value: Any) -> Any:
     """Validate one field against its annotation (a string under postponed evaluation)."""
     if annotation in ("int", int):
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigTypeError(f"{name} must be int, got {type(value).__name__}")
-        return value
+        return _checked_int(name, value)
     if annotation in ("str", str):
         if not isinstance(value, str):
             raise ConfigTypeError(f"{name} must be str, got {type(value).__name__}")
+        utf8(value, name, InvalidConfig)
         return value
     element = {"tuple[int, ...]": int, "tuple[float, ...]": float}.get(str(annotation))
     if element is None:
@@ -79,11 +102,10 @@ def _checked(name: str, annotation: Any, value: Any) -> Any:
     for item in value:
         if isinstance(item, bool) or not isinstance(item, int | float):
             raise ConfigTypeError(f"{name} must hold {element.__name__} values, got {type(item).__name__}")
-        if element is int and not isinstance(item, int):
-            raise ConfigTypeError(f"{name} must hold int values, got float {item!r}")
         if element is float:
-            item = float(item)
-            if not math.isfinite(item):
-                raise InvalidConfig(f"{name} must hold finite values, got {item!r}")
-        items.append(item)
+            items.append(_checked_float(name, item))
+        elif isinstance(item, int):
+            items.append(_checked_int(name, item))
+        else:
+            raise ConfigTypeError(f"{name} must hold int values, got float {item!r}")
     return tuple(items)

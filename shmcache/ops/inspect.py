@@ -26,6 +26,7 @@ from shmcache.kernel.namespace import (
     list_namespaces,
     object_names,
     open_existing,
+    remove_fragments,
     remove_objects,
 )
 from shmcache.node.index import NodeIndex
@@ -158,10 +159,7 @@ def gc_namespace(namespace: str) -> dict[str, Any]:
     nothing = {"namespace": namespace, "removed": True, "reaped_clients": 0, "freed_reservations": 0}
     with bootstrap_lock(names, 0o600, 10.0, create=False) as held:
         if not held:  # no lock file: no namespace protocol can be running; drop a leftover arena/index
-            existed = [n for n in (names.index, names.arena) if os.path.exists(f"{SHM_DIR}{n}")]
-            for name in existed:
-                os.unlink(f"{SHM_DIR}{name}")
-            if not existed:
+            if not remove_fragments(names):  # verified ours first (ForeignObject otherwise)
                 raise ShmCacheError(f"namespace {namespace!r} does not exist")
             return nothing
         segments = open_existing(names, None)

@@ -20,13 +20,13 @@ from importlib import resources
 from typing import Any
 
 import numpy as np
-import posix_ipc
 
 from shmcache.errors import CorruptSegment, CorruptValue, ShmCacheError
 from shmcache.format.decode import describe
 from shmcache.format.entry import ENTRY_HEADER_SIZE
 from shmcache.gpu.record import GpuRecord
 from shmcache.kernel.namespace import object_names
+from shmcache.kernel.ownership import Expected, check_semaphores, open_verified, semaphore_owner
 from shmcache.kernel.semaphores import SemaphoreSet
 from shmcache.keys.key import HASH_ALGORITHMS, KEY_KINDS, MODALITIES
 from shmcache.node.attachments import AttachmentTable
@@ -138,20 +138,22 @@ def json_schema() -> dict[str, Any]:
     return schema
 
 
-def _map_readonly(name: str) -> mmap.mmap | None:
-    try:
-        shm = posix_ipc.SharedMemory(name, read_only=True)
-    except posix_ipc.ExistentialError:
+def _map_readonly(path: str, uid: int, what: str) -> mmap.mmap | None:
+    """A read-only mapping of `path`, verified to be a regular file of `uid` (`ForeignObject`
+    otherwise, or when we may not read it); None if it does not exist or is empty."""
+    fd = open_verified(path, os.O_RDONLY, Expected(uid, None), what)
+    if fd is None:
         return None
     try:
-        return mmap.mmap(shm.fd, shm.size, prot=mmap.PROT_READ) if shm.size else None
+        size = os.fstat(fd).st_size
+        return mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else None
     finally:
-        shm.close_fd()
+        os.close(fd)
 
 
-def _copy_index(name: str) -> bytearray | None:
-    """A private copy of the index segment `name` (one pass; the mapping is closed at once)."""
-    mapped = _map_readonly(name)
+def _copy_index(path: str, uid: int) -> bytearray | None:
+    """A private copy of the index segment at `path` (one pass; the mapping is closed at once)."""
+    mapped = _map_readonly(path, uid, "index segment")
     if mapped is None:
         return None
     with mapped:
@@ -176,7 +178,7 @@ class _Index:
     client_alive: np.ndarray  # per client row: claimed and its liveness semaphore is up
 
     @classmethod
-    def open(cls, namespace: str, buf: IndexBuffer) -> _Index:
+    def open(cls, namespace: str, buf: IndexBuffer, uid: int) -> _Index:
         try:
             header = Header.read(buf)
         except CorruptSegment as exc:
@@ -190,7 +192,10 @@ class _Index:
             raise CorruptSegment(f"index of {namespace!r} is truncated ({len(buf)} of {layout.size} bytes)")
         idx = memoryview(buf)
         sems = SemaphoreSet(header.semid, layout.semaphores)
-        readable = sems.probe()
+        owner = semaphore_owner(header.semid)
+        if owner is not None:
+            check_semaphores(header.semid, owner, Expected(uid, None))  # another user's: ForeignObject
+        readable = owner is not None and sems.probe()
         values = sems.values() if readable else np.zeros(layout.semaphores, dtype=np.ushort)
         clients = ClientTable(idx, layout, buf, sems)
         first = layout.client_sem(0)
@@ -345,16 +350,17 @@ def _name(names: tuple[str, ...], code: int) -> str:
 def take_snapshot(
     namespace: str, uid: int | None = None, *, max_entries: int | None = None
 ) -> NamespaceSnapshot:
-    """Snapshot `namespace` (of `uid`, default this user). Raises `ShmCacheError` if it does not exist
-    and `CorruptSegment` if its index is damaged."""
+    """Snapshot `namespace` (of `uid`, default this user). Raises `ShmCacheError` if it does not exist,
+    `CorruptSegment` if its index is damaged and `ForeignObject` if one of its objects is not owned
+    by `uid` (squatted) or is not readable by this user."""
     uid = os.geteuid() if uid is None else uid
     names = object_names(namespace, uid)
-    buf = _copy_index(names.index)
+    buf = _copy_index(names.index_path, uid)
     if buf is None:
         raise ShmCacheError(f"namespace {namespace!r} of uid {uid} does not exist")
-    node = _Index.open(namespace, buf)
+    node = _Index.open(namespace, buf, uid)
     now = time.monotonic()
-    arena = _map_readonly(names.arena)
+    arena = _map_readonly(names.arena_path, uid, "arena segment")
     try:
         entries, reservations, gpu_entries = node.scan(arena, now)
     finally:

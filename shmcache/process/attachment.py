@@ -39,11 +39,17 @@ class Attachment:
         names = object_names(config.namespace)
         with bootstrap_lock(names, config.mode, config.lock_timeout_s):
             segments = open_existing(names, config)
+            created = segments is None
             if segments is None:
                 wipe(names)
                 segments = create(names, config)
-            node = NodeIndex(segments, config.lock_timeout_s)
-            node.attach()
+            try:
+                node = NodeIndex(segments, config.lock_timeout_s)
+                node.attach()
+            except BaseException:
+                if created:  # nobody else can have attached: we still hold the bootstrap lock
+                    remove_objects(names)
+                raise
         return cls(config, names, segments, node)
 
     def detach(self) -> None:

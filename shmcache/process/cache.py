@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from shmcache.config import CacheConfig
-from shmcache.errors import CacheClosed, CapacityError, InvalidKey
+from shmcache.errors import CacheClosed, CapacityError, InvalidKey, RequestIdTypeError
 from shmcache.format.values import Value
 from shmcache.gpu.side import DeviceSide
 from shmcache.kernel.namespace import destroy_namespace
@@ -112,6 +112,7 @@ class EmbeddingCache:
         `cleanup_request(request_id)`: it survives TTL expiry and eviction pressure until then."""
         if not self._enabled:
             return None
+        self._check_request(request_id)
         node = self._index()
         needle = self._needle(key)
         value = self._views.repeat_hit(needle, key, request_id)
@@ -132,6 +133,7 @@ class EmbeddingCache:
         """
         if not self._enabled:
             return
+        self._check_request(request_id)
         self._index()
         res = self._claims.claim(key, self._needle(key), request_id, wait=False, count_hits=False)
         if res is None or res.value is not None:
@@ -179,6 +181,7 @@ class EmbeddingCache:
         """
         if not self._enabled:
             return Reservation(None, key, request_id)
+        self._check_request(request_id)
         self._index()
         res = self._claims.claim(key, self._needle(key), request_id, wait=True)
         assert res is not None
@@ -197,6 +200,7 @@ class EmbeddingCache:
         remote pull happens here (a scheduler calls this; the pull is the computer's business)."""
         if not self._enabled:
             return Reservation(None, key, request_id)
+        self._check_request(request_id)
         self._index()
         return self._claims.claim(key, self._needle(key), request_id, wait=False)
 
@@ -207,6 +211,7 @@ class EmbeddingCache:
         it is not that process's any more. Commit or abandon it as if this process had made it."""
         if not self._enabled:
             return None
+        self._check_request(request_id)
         self._index()
         self._needle(key)
         return self._claims.adopt(ticket, key, request_id)
@@ -223,6 +228,7 @@ class EmbeddingCache:
         `key` is not sealed."""
         if not self._enabled:
             return False
+        self._check_request(request_id)
         node = self._index()
         sealed = node.lookup(self._needle(key), pins=1)
         if sealed is None:
@@ -234,6 +240,7 @@ class EmbeddingCache:
         """Release every reference taken for `request_id` in this process; returns how many."""
         if not self._enabled:
             return 0
+        self._check_request(request_id)
         node = self._index()
         refs = self._requests.pop(request_id)
         node.release(refs)
@@ -303,6 +310,16 @@ class EmbeddingCache:
         if os.getpid() != self._pid:
             raise CacheClosed("an EmbeddingCache cannot be used across fork(); open a new one in the child")
         return self._node
+
+    @staticmethod
+    def _check_request(request_id: RequestId | None) -> None:
+        """`RequestIdTypeError` for a request id that cannot be a dict key (before any pin)."""
+        try:
+            hash(request_id)
+        except TypeError:
+            raise RequestIdTypeError(
+                f"request_id must be hashable, got {type(request_id).__name__}"
+            ) from None
 
     def _needle(self, key: EmbeddingCacheKey) -> bytes:
         if not isinstance(key, EmbeddingCacheKey):
