@@ -82,6 +82,7 @@ def test_a_second_engine_loads_what_the_first_encoded(
     assert _tokens(second) == _tokens(first)
     stats = held.stats()
     assert stats["entries"] == 2 and stats["computes"] == 0 and stats["puts"] == 2
+    held.gc()  # vLLM may end its worker with a signal: a dead process's pins are reaped, as gc does
     shown = _inspect(namespace)
     assert [entry["references"] for entry in shown["entries"]] == [0, 0]  # the requests let go
     assert [client["pid"] for client in shown["clients"]] == [os.getpid()]
