@@ -131,13 +131,8 @@ class NodeIndex:
 
     def is_live(self, slot: int, gen: int, now: float) -> bool:
         """Lock-free check for a repeat hit: (slot, gen) is still sealed and unexpired."""
-        record, valid = self.slots.raw(slot)
-        return (
-            valid
-            and record.state == SlotState.SEALED
-            and record.gen == gen
-            and not self.slots.expired(slot, now)
-        )
+        state, current = self.slots.state_and_gen(slot)
+        return state == SlotState.SEALED and current == gen and not self.slots.expired(slot, now)
 
     def touch(self, slot: int, now: float) -> None:
         """Record an access of `slot` for LRU and TTL (lock-free, approximate by design)."""

@@ -138,6 +138,7 @@ class SealedEntry(NamedTuple):
 
 
 _F64 = struct.Struct("<d")
+_HEAD = struct.Struct("<IiQ")  # state, owner, gen: the first 16 bytes of a slot record
 _U32 = struct.Struct("<I")
 _ZERO_CRC: Final = zlib.crc32(bytes(KEY_SIZE), zlib.crc32(bytes(SLOT_RECORD.size)))
 
@@ -199,6 +200,12 @@ class SlotTable:
             self.idx[off : off + S_CRC] = head  # a dying writer got the fields out, not the crc
             crashpoints.reached(CrashPoint.SLOT_RECORD_TORN)
         self.idx[off : off + S_CRC + 4] = data
+
+    def state_and_gen(self, slot: int) -> tuple[int, int]:
+        """(state, gen) as stored, unchecked and without a lock: the repeat-hit fast path (the
+        caller holds a pin, so a damaged record costs it a fresh lookup, never wrong memory)."""
+        state, _owner, gen = _HEAD.unpack_from(self.idx, self._slots_off + SLOT_SIZE * slot)
+        return state, gen
 
     def gen(self, slot: int) -> int:
         """The slot's current generation, read without a lock."""
