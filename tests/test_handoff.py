@@ -103,3 +103,18 @@ def test_a_withdrawn_reservation_is_reserved_again_without_a_failure(config: Cac
         waiter.join(30)
         assert len(got) == 1 and fingerprint(got[0]) == fingerprint(expected_value("v"))  # type: ignore[arg-type]
         assert cache.stats()["computes"] == 1 and cache.stats()["compute_failures"] == 0
+
+
+def test_a_handed_over_reservation_never_adopted_ends_with_withdraw(config: CacheConfig) -> None:
+    """A worker that dies inside the adoption (or never adopts) leaves the record the giver's:
+    `let_go` keeps answering False, and the giver's `withdraw` (a connector's request_finished)
+    frees it for the next claimer, with no failure reported."""
+    with EmbeddingCache(config) as cache:
+        res = cache.try_reserve(key_of("u"))
+        assert res is not None
+        res.hand_over()
+        assert not res.let_go() and cache.try_reserve(key_of("u")) is None
+        res.withdraw()
+        again = cache.try_reserve(key_of("u"))
+        assert again is not None and again.owned
+        again.abandon()

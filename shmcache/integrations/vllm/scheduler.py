@@ -45,7 +45,7 @@ class SchedulerSide:
         self._steps = 0
         self._reserved: dict[str, Reservation] = {}  # identifier -> ours, not yet handed over
         self._owners: dict[str, str] = {}  # identifier -> the request it was reserved for
-        self._handed: list[Reservation] = []  # handed over, to let go once adopted
+        self._handed: list[tuple[str, Reservation]] = []  # (request, reservation) to let go once adopted
         self._modalities: dict[str, str] = {}
 
     def key(self, identifier: str) -> EmbeddingCacheKey:
@@ -82,7 +82,7 @@ class SchedulerSide:
                 continue
             res = self._cache.try_reserve(self.key(identifier))
             if res is None:  # another engine computes it: wait for its seal, holding nothing
-                self._give_back(request.request_id, taken)
+                self._give_back(taken)
                 return False
             if res.owned:
                 self._reserved[identifier] = res
@@ -100,7 +100,7 @@ class SchedulerSide:
         if res is not None:
             self._owners.pop(identifier, None)
             self._step.saves.append(SaveItem(identifier, key, res.hand_over()))
-            self._handed.append(res)
+            self._handed.append((request.request_id, res))
         elif identifier in self._step.checked and self._cache.hold(key, request.request_id):
             self._step.loads.append(LoadItem(identifier, key))  # held until the request finishes
         else:
@@ -111,16 +111,22 @@ class SchedulerSide:
         step, self._step = self._step, _Step()
         self._cache.cleanup_request(self._step_holder)
         self._steps += 1
-        self._handed = [res for res in self._handed if not res.let_go()]
+        self._handed = [(owner, res) for owner, res in self._handed if not res.let_go()]
         return ShmCacheECMetadata(step.loads, step.saves)
 
     def finished(self, request: Any) -> None:
-        """Release what `request` held: its references, reservations never handed over."""
+        """Release what `request` held: its references, and its reservations. One handed over and
+        never adopted (the worker died inside the adoption, say) ends here; one adopted is only let
+        go (`withdraw` is fenced: it frees nothing that is not ours any more)."""
         self._cache.cleanup_request(request.request_id)
         mine = [identifier for identifier, owner in self._owners.items() if owner == request.request_id]
-        self._give_back(request.request_id, mine)
+        self._give_back(mine)
+        for owner, res in self._handed:
+            if owner == request.request_id:
+                res.withdraw()
+        self._handed = [(owner, res) for owner, res in self._handed if owner != request.request_id]
 
-    def _give_back(self, request_id: str, identifiers: list[str]) -> None:
+    def _give_back(self, identifiers: list[str]) -> None:
         for identifier in identifiers:
             res = self._reserved.pop(identifier, None)
             self._owners.pop(identifier, None)
@@ -128,9 +134,8 @@ class SchedulerSide:
                 res.withdraw()
 
     def close(self) -> None:
-        for res in self._reserved.values():
+        """Give back every reservation this engine still holds (handed over or not)."""
+        for res in [*self._reserved.values(), *(res for _owner, res in self._handed)]:
             res.withdraw()
         self._reserved.clear()
-        for res in self._handed:
-            res.let_go()
         self._handed.clear()
