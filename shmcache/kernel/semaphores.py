@@ -123,22 +123,21 @@ class SemaphoreSet:
 
     def try_acquire(self, index: int) -> bool:
         """`acquire` without waiting: False if the value is not 0."""
-        if _semtimedop(self.semid, self._ops("try_acquire", index), 2, None) == 0:
-            return True
-        if ctypes.get_errno() in (errno.EAGAIN, errno.EINTR):
-            return False
-        _raise_errno("try_acquire")
-        return False  # pragma: no cover
+        return self._nowait("try_acquire", index)
 
     def join(self, index: int) -> bool:
         """Add this process's hold to a semaphore some process holds (value >= 1 -> value + 1),
         atomically and without waiting; False if its value is 0. Undone by the kernel at death,
         like `acquire`. A reservation changes hands this way without its value ever being 0."""
-        if _semtimedop(self.semid, self._ops("join", index), 2, None) == 0:
+        return self._nowait("join", index)
+
+    def _nowait(self, what: str, index: int) -> bool:
+        """Run the two-operation `what` without waiting; False if it would have to wait."""
+        if _semtimedop(self.semid, self._ops(what, index), 2, None) == 0:
             return True
         if ctypes.get_errno() in (errno.EAGAIN, errno.EINTR):
             return False
-        _raise_errno("join")
+        _raise_errno(what)
         return False  # pragma: no cover
 
     def release(self, index: int) -> None:
