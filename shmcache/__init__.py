@@ -2,6 +2,7 @@
 
 from shmcache.config import CacheConfig
 from shmcache.errors import (
+    ArgumentTypeError,
     CacheClosed,
     CapacityError,
     ComputeFailed,
@@ -14,6 +15,7 @@ from shmcache.errors import (
     InvalidKey,
     KeyTypeError,
     LayoutMismatch,
+    RequestIdTypeError,
     ReservationLost,
     ShmCacheError,
     UnsupportedValue,
@@ -28,6 +30,7 @@ from shmcache.process.cache import EmbeddingCache, Reservation, ReservationTicke
 __version__ = "0.1.0"
 
 __all__ = [
+    "ArgumentTypeError",
     "CacheClosed",
     "CacheConfig",
     "CapacityError",
@@ -45,6 +48,7 @@ __all__ = [
     "InvalidKey",
     "KeyTypeError",
     "LayoutMismatch",
+    "RequestIdTypeError",
     "Reservation",
     "ReservationLost",
     "ReservationTicket",

@@ -6,6 +6,7 @@ All of them pickle (they carry only a message), so a worker process can send one
 from __future__ import annotations
 
 __all__ = [
+    "ArgumentTypeError",
     "CacheClosed",
     "CapacityError",
     "ComputeFailed",
@@ -117,5 +118,9 @@ class RemoteUnavailable(ShmCacheError, ConnectionError):
     """The remote store cannot be reached (strict mode raises this at open)."""
 
 
-class RequestIdTypeError(ShmCacheError, TypeError):
+class ArgumentTypeError(ShmCacheError, TypeError):
+    """An argument of a public call has a type the call does not take."""
+
+
+class RequestIdTypeError(ArgumentTypeError):
     """A request id that cannot name a request (it must be hashable)."""

@@ -13,7 +13,16 @@ from typing import Any
 from shmcache.node.slots import SlotState
 from shmcache.testing import kernel_objects
 
-__all__ = ["kernel_objects", "kill", "sealed_slot", "spawn", "wait_for"]
+__all__ = [
+    "arena_page",
+    "file_offset",
+    "kernel_objects",
+    "kill",
+    "physical_page",
+    "sealed_slot",
+    "spawn",
+    "wait_for",
+]
 
 
 def spawn(target: Callable[..., Any], *args: Any) -> mp.process.BaseProcess:
@@ -46,3 +55,30 @@ def sealed_slot(cache: Any) -> int:
     sealed = [int(s) for s in range(cache._node.layout.slots) if states[s] == SlotState.SEALED]
     assert len(sealed) == 1, sealed
     return sealed[0]
+
+
+def file_offset(address: int, path: str) -> int:
+    """The offset in `path` of the byte this process maps at `address` (from /proc/self/maps)."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if start <= address < end and len(fields) == 6 and fields[5].strip() == path:
+                return int(fields[2], 16) + address - start
+    raise AssertionError(f"{address:#x} is not in a mapping of {path}")
+
+
+def physical_page(address: int) -> int:
+    """The physical page frame behind `address` (root only; 0 when the page is not present)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    with open("/proc/self/pagemap", "rb") as pagemap:
+        pagemap.seek(address // page * 8)
+        entry = int.from_bytes(pagemap.read(8), "little")
+    return entry & ((1 << 55) - 1) if entry >> 63 else 0
+
+
+def arena_page(shared: Any, offset: int) -> int:
+    """The physical page frame of byte `offset` of the shared arena mapping `shared` (a uint8
+    array over it), read first so that the page is mapped in this process."""
+    int(shared[offset])
+    return physical_page(shared.ctypes.data + offset)

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from shmcache.config import CacheConfig
 from shmcache.errors import CapacityError, CorruptSegment, ForeignObject, LayoutMismatch
+from shmcache.kernel.cowmap import CowMapper
 from shmcache.kernel.identity import judge, namespace_set, never_written
 from shmcache.kernel.lockfile import ANY_MODE, bootstrap_lock
 from shmcache.kernel.names import PREFIX, SHM_DIR, ObjectNames, list_namespaces, object_names
@@ -67,8 +68,13 @@ class Segments:
     layout: Layout
     index: mmap.mmap
     arena: mmap.mmap
+    arena_views: CowMapper  # copy-on-write views of the arena: what readers are given
     capacity: int
     sems: SemaphoreSet
+
+    def close(self) -> None:
+        """Close the arena's descriptor (the mappings stay until they are collected)."""
+        self.arena_views.close()
 
 
 def _map(fd: int | None) -> mmap.mmap | None:
@@ -143,7 +149,10 @@ def open_existing(names: ObjectNames, config: CacheConfig | None) -> Segments | 
         except BaseException:
             index.close()
             raise
-        return Segments(names, header.layout, index, arena, header.capacity, sems)
+        assert arena_fd is not None  # else `arena` is None: raised above
+        segments = Segments(names, header.layout, index, arena, CowMapper(arena_fd), header.capacity, sems)
+        arena_fd = None  # the mapper owns it now
+        return segments
     finally:
         _close(index_fd)
         _close(arena_fd)
@@ -174,22 +183,14 @@ def _check_settings(header: Header, config: CacheConfig) -> None:
 def create(names: ObjectNames, config: CacheConfig) -> Segments:
     """Create a namespace's objects (the caller holds the bootstrap lock and has wiped)."""
     layout = Layout(config.n_stripes, config.ways, config.max_clients, config.max_pins_per_process)
-    stat = os.statvfs(SHM_DIR)
-    free = stat.f_bavail * stat.f_frsize
-    needed = config.capacity_bytes + layout.size
-    if needed > free:
-        raise CapacityError(
-            f"{SHM_DIR} has {free / 2**20:.1f} MiB free; namespace {config.namespace!r} needs "
-            f"{needed / 2**20:.1f} MiB (capacity_bytes + index). Lower capacity_bytes or enlarge "
-            f"{SHM_DIR} (docker: --shm-size)"
-        )
+    _check_room(config, layout)
     created: list[str] = []
     sems: SemaphoreSet | None = None
     try:
         # order matters for a creator killed midway: the index (all zeros: stale) first, then the
         # semaphore set, named in the header right away (so a wiper finds and removes it), and the
         # slow arena reservation last; `ready` is set only when everything exists
-        index = _create_shm(names.index_path, layout.size, config.mode, created)
+        index = _map_new(names.index_path, layout.size, config.mode, created)
         sems = _create_set(layout, config.mode)
         sig = secrets.randbelow((1 << 30) - 1) + 1
         sems.set_value(layout.signature_sem, sig & 0x7FFF)
@@ -216,9 +217,15 @@ def create(names: ObjectNames, config: CacheConfig) -> Segments:
         index[len(MAGIC) : HEADER_SIZE] = packed[len(MAGIC) :]
         index[: len(MAGIC)] = MAGIC  # last: a header without its magic was never finished
         crashpoints.reached(CrashPoint.CREATING_NAMESPACE)
-        arena = _create_shm(names.arena_path, config.capacity_bytes, config.mode, created)
-        index[H_READY : H_READY + 4] = (1).to_bytes(4, "little")
-        return Segments(names, layout, index, arena, config.capacity_bytes, sems)
+        arena_views = CowMapper(_create_shm(names.arena_path, config.capacity_bytes, config.mode, created))
+        try:
+            arena = _map(arena_views.fd)
+            assert arena is not None
+            index[H_READY : H_READY + 4] = (1).to_bytes(4, "little")
+        except BaseException:
+            arena_views.close()
+            raise
+        return Segments(names, layout, index, arena, arena_views, config.capacity_bytes, sems)
     except BaseException:
         for path in created:
             with contextlib.suppress(FileNotFoundError):
@@ -226,6 +233,19 @@ def create(names: ObjectNames, config: CacheConfig) -> Segments:
         if sems is not None:
             sems.remove()
         raise
+
+
+def _check_room(config: CacheConfig, layout: Layout) -> None:
+    """`CapacityError` if /dev/shm has no room for the namespace's index and arena."""
+    stat = os.statvfs(SHM_DIR)
+    free = stat.f_bavail * stat.f_frsize
+    needed = config.capacity_bytes + layout.size
+    if needed > free:
+        raise CapacityError(
+            f"{SHM_DIR} has {free / 2**20:.1f} MiB free; namespace {config.namespace!r} needs "
+            f"{needed / 2**20:.1f} MiB (capacity_bytes + index). Lower capacity_bytes or enlarge "
+            f"{SHM_DIR} (docker: --shm-size)"
+        )
 
 
 def _create_set(layout: Layout, mode: int) -> SemaphoreSet:
@@ -239,7 +259,17 @@ def _create_set(layout: Layout, mode: int) -> SemaphoreSet:
         raise
 
 
-def _create_shm(path: str, size: int, mode: int, created: list[str]) -> mmap.mmap:
+def _map_new(path: str, size: int, mode: int, created: list[str]) -> mmap.mmap:
+    """Create `path` with `size` bytes reserved and map it."""
+    fd = _create_shm(path, size, mode, created)
+    try:
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+
+
+def _create_shm(path: str, size: int, mode: int, created: list[str]) -> int:
+    """Create `path` with `size` bytes reserved; its descriptor (closed if this raises)."""
     expected = Expected(os.geteuid(), mode)
     try:
         fd = open_verified(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, expected, "segment", mode)
@@ -259,9 +289,10 @@ def _create_shm(path: str, size: int, mode: int, created: list[str]) -> mmap.mma
                     f"cannot reserve {size} bytes for {path} in {SHM_DIR}: {exc.strerror}"
                 ) from None
             raise
-        return mmap.mmap(fd, size)
-    finally:
+    except BaseException:
         os.close(fd)
+        raise
+    return fd
 
 
 def wipe(names: ObjectNames, mode: int | None = None) -> None:

@@ -166,6 +166,7 @@ def gc_namespace(namespace: str) -> dict[str, Any]:
         if segments is None:  # nobody alive (or only fragments left): everything is garbage
             remove_objects(names)
             return nothing
+        segments.close()  # gc makes no views
         node = NodeIndex(segments, 10.0)
         dead = len(node.clients.dead())
         node.attach()  # attaching reaps dead records already

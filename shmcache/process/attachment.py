@@ -47,6 +47,7 @@ class Attachment:
                 node = NodeIndex(segments, config.lock_timeout_s)
                 node.attach()
             except BaseException:
+                segments.close()
                 if created:  # nobody else can have attached: we still hold the bootstrap lock
                     remove_objects(names)
                 raise
@@ -54,6 +55,7 @@ class Attachment:
 
     def detach(self) -> None:
         """Give back this process's client record; the last live process removes the namespace."""
+        self.segments.close()  # no view is made after this
         if self.destroyed:
             return
         try:

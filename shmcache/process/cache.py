@@ -10,27 +10,31 @@ shared memory.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from shmcache.config import CacheConfig
-from shmcache.errors import CacheClosed, CapacityError, InvalidKey, RequestIdTypeError
+from shmcache.errors import CacheClosed, CapacityError
+from shmcache.format import values
 from shmcache.format.values import Value
 from shmcache.gpu.side import DeviceSide
 from shmcache.kernel.namespace import destroy_namespace
 from shmcache.keys.key import EmbeddingCacheKey, Modality
 from shmcache.keys.preprocessing import EncoderPreprocessingConfig
 from shmcache.node.index import NodeIndex
-from shmcache.node.layout import Counter, needle_of
+from shmcache.node.layout import Counter
+from shmcache.process import arguments
 from shmcache.process.attachment import Attachment
 from shmcache.process.claims import Claims
 from shmcache.process.releases import Releases
 from shmcache.process.requests import RequestRefs
 from shmcache.process.reservation import RequestId, Reservation, ReservationTicket
+from shmcache.process.scope import request_scope
 from shmcache.process.stats import node_stats
 from shmcache.process.views import Views
 from shmcache.remote.bridge import RemoteBridge
@@ -76,7 +80,7 @@ class EmbeddingCache:
         self._detached = False
         self._requests = RequestRefs()
         self._releases = Releases(node, self._device, on_idle=self._detach)
-        self._views = Views(node, segments.arena, config, self._device, self._requests, self._releases)
+        self._views = Views(node, segments.arena_views, config, self._device, self._requests, self._releases)
         self._claims = Claims(node, segments.arena, config, self._views, self._device, self._requests)
         self._bridge: RemoteBridge | None = None
         _open.add(self)
@@ -112,18 +116,23 @@ class EmbeddingCache:
         `cleanup_request(request_id)`: it survives TTL expiry and eviction pressure until then."""
         if not self._enabled:
             return None
-        self._check_request(request_id)
-        node = self._index()
-        needle = self._needle(key)
-        value = self._views.repeat_hit(needle, key, request_id)
-        if value is not None:
-            return value
-        sealed = node.lookup(needle, pins=self._views.pins_for(request_id))
-        if sealed is None:
-            node.count(Counter.MISSES)
-            return None
-        node.count(Counter.HITS_NODE)
-        return self._views.deliver(key, needle, sealed, request_id)
+        arguments.check_request(request_id)
+        self._index()
+        return self._views.lookup(key, self._needle(key), request_id)
+
+    def get_many(
+        self, keys: Sequence[EmbeddingCacheKey], request_id: RequestId | None = None
+    ) -> list[Value | None]:
+        """`get` of every key of a request's items, in key order (None for a miss); every key is
+        checked before any is looked up, and each hit is pinned as `get` pins it."""
+        if not self._enabled:
+            return [None] * len(keys)
+        arguments.check_request(request_id)
+        self._index()
+        needles = [self._needle(key) for key in keys]
+        return [
+            self._views.lookup(key, needle, request_id) for key, needle in zip(keys, needles, strict=True)
+        ]
 
     def put(self, key: EmbeddingCacheKey, value: Value, request_id: RequestId | None = None) -> None:
         """Store `value` under `key`. The first writer wins: an existing or in-flight entry is kept.
@@ -133,14 +142,17 @@ class EmbeddingCache:
         """
         if not self._enabled:
             return
-        self._check_request(request_id)
+        arguments.check_request(request_id)
         self._index()
         res = self._claims.claim(key, self._needle(key), request_id, wait=False, count_hits=False)
-        if res is None or res.value is not None:
+        if res is not None and res.value is None and res.cached:
+            res.commit(value, view=False)
             return
-        if not res.cached:
+        no_room = res is not None and res.value is None  # else the key is stored or in flight
+        del res  # no view of the stored entry outlives this call, not even in a traceback
+        values.plan(value)  # nothing is stored, but a value `put` cannot hold is still refused
+        if no_room:
             raise CapacityError(f"{key!r}: no slot is free in its stripe (every way is referenced)")
-        res.commit(value, view=False)
 
     def get_or_compute(
         self, key: EmbeddingCacheKey, compute_fn: Callable[[], Value], request_id: RequestId | None = None
@@ -151,6 +163,7 @@ class EmbeddingCache:
         fails they get `ComputeFailed` naming the cause; if it dies, one of them takes over.
         A value that cannot be cached is still returned (counted as `uncacheable`).
         """
+        arguments.check_callable("compute_fn", compute_fn)
         if not self._enabled:
             return compute_fn()
         with self.reserve(key, request_id) as res:
@@ -179,39 +192,35 @@ class EmbeddingCache:
         Blocks while another thread or process holds the reservation, at most `compute_timeout_s`
         (then `ComputeTimeout`). Raises `ComputeFailed` if that holder failed.
         """
-        if not self._enabled:
-            return Reservation(None, key, request_id)
-        self._check_request(request_id)
-        self._index()
-        res = self._claims.claim(key, self._needle(key), request_id, wait=True)
+        res = self._reserve(key, request_id, wait=True, pull=True)
         assert res is not None
-        if res.owned and self._bridge is not None:
-            try:
-                pulled = self._bridge.pull(res)  # a node miss: look in the store, under our reservation
-            except BaseException:
-                res.abandon("pulling from the remote store failed")
-                raise
-            if pulled is not None:
-                return Reservation(None, key, request_id, value=pulled)
         return res
 
-    def try_reserve(self, key: EmbeddingCacheKey, request_id: RequestId | None = None) -> Reservation | None:
-        """`reserve` without waiting: None while another thread or process computes `key`. No
-        remote pull happens here (a scheduler calls this; the pull is the computer's business)."""
+    def try_reserve(
+        self, key: EmbeddingCacheKey, request_id: RequestId | None = None, *, pull: bool = False
+    ) -> Reservation | None:
+        """`reserve` without waiting: None while another thread or process computes `key`. A
+        remote pull only with `pull=True` (the computer's business, not a scheduler's)."""
+        return self._reserve(key, request_id, wait=False, pull=pull)
+
+    def _reserve(
+        self, key: EmbeddingCacheKey, request_id: RequestId | None, *, wait: bool, pull: bool
+    ) -> Reservation | None:
         if not self._enabled:
             return Reservation(None, key, request_id)
-        self._check_request(request_id)
+        arguments.check_request(request_id)
         self._index()
-        return self._claims.claim(key, self._needle(key), request_id, wait=False)
+        return self._claims.claim(key, self._needle(key), request_id, wait=wait, pull=pull)
 
     def adopt(
         self, ticket: ReservationTicket, key: EmbeddingCacheKey, request_id: RequestId | None = None
     ) -> Reservation | None:
         """Take over the reservation another process handed out (`Reservation.hand_over`); None if
         it is not that process's any more. Commit or abandon it as if this process had made it."""
+        arguments.check_ticket(ticket)
         if not self._enabled:
             return None
-        self._check_request(request_id)
+        arguments.check_request(request_id)
         self._index()
         self._needle(key)
         return self._claims.adopt(ticket, key, request_id)
@@ -228,7 +237,7 @@ class EmbeddingCache:
         `key` is not sealed."""
         if not self._enabled:
             return False
-        self._check_request(request_id)
+        arguments.check_request(request_id)
         node = self._index()
         sealed = node.lookup(self._needle(key), pins=1)
         if sealed is None:
@@ -236,11 +245,16 @@ class EmbeddingCache:
         self._requests.add(request_id, sealed.slot, sealed.gen)
         return True
 
+    def request(self, request_id: RequestId) -> contextlib.AbstractContextManager[None]:
+        """Make `request_id` the request in scope of the calls made inside the block (encoder
+        hooks read it: `shmcache.process.scope`); release with `cleanup_request` at its end."""
+        return request_scope(request_id)
+
     def cleanup_request(self, request_id: RequestId) -> int:
         """Release every reference taken for `request_id` in this process; returns how many."""
         if not self._enabled:
             return 0
-        self._check_request(request_id)
+        arguments.check_request(request_id)
         node = self._index()
         refs = self._requests.pop(request_id)
         node.release(refs)
@@ -311,24 +325,8 @@ class EmbeddingCache:
             raise CacheClosed("an EmbeddingCache cannot be used across fork(); open a new one in the child")
         return self._node
 
-    @staticmethod
-    def _check_request(request_id: RequestId | None) -> None:
-        """`RequestIdTypeError` for a request id that cannot be a dict key (before any pin)."""
-        try:
-            hash(request_id)
-        except TypeError:
-            raise RequestIdTypeError(
-                f"request_id must be hashable, got {type(request_id).__name__}"
-            ) from None
-
     def _needle(self, key: EmbeddingCacheKey) -> bytes:
-        if not isinstance(key, EmbeddingCacheKey):
-            raise InvalidKey(f"expected an EmbeddingCacheKey, got {type(key).__name__}")
-        if key.algorithm != self.config.hash_algorithm:
-            raise InvalidKey(
-                f"key uses {key.algorithm}, this cache is configured for {self.config.hash_algorithm}"
-            )
-        return needle_of(key)
+        return arguments.needle(key, self.config.hash_algorithm)
 
     def _force_close(self) -> None:
         """Detach now even if views are alive (interpreter exit: nothing will read them again)."""

@@ -56,9 +56,11 @@ class Claims:
         *,
         wait: bool,
         count_hits: bool = True,
+        pull: bool = False,
     ) -> Reservation | None:
         """The value of `key` (as a settled reservation), or our reservation of it, or an uncached
-        one when no slot is free; None if another process holds it and `wait` is off."""
+        one when no slot is free; None if another process holds it and `wait` is off. With
+        `pull`, a node miss is first looked up in the remote store, under our reservation."""
         node = self._node
         local = self._views.repeat_hit(needle, key, request_id, count=count_hits)
         if local is not None:
@@ -78,7 +80,8 @@ class Claims:
                 continue  # a damaged entry was dropped: look again
             if claim.kind is ClaimKind.OWNER:
                 node.count(Counter.MISSES)
-                return Reservation(self, key, request_id, slot=claim.slot, gen=claim.gen)
+                ours = Reservation(self, key, request_id, slot=claim.slot, gen=claim.gen)
+                return self._pulled(ours) if pull else ours
             if claim.kind is ClaimKind.FULL:
                 if reaped:
                     return Reservation(self, key, request_id)
@@ -92,6 +95,18 @@ class Claims:
                 waited = True
             if self._wait(key, claim.slot, deadline) and self._failed_uncacheable(key, claim.slot, claim.gen):
                 return Reservation(self, key, request_id)
+
+    def _pulled(self, res: Reservation) -> Reservation:
+        """Our reservation of a node miss, or the value the remote store had for it (one pull
+        per node: it runs under the reservation)."""
+        if self.bridge is None:
+            return res
+        try:
+            pulled = self.bridge.pull(res)
+        except BaseException:
+            res.abandon("pulling from the remote store failed")
+            raise
+        return res if pulled is None else Reservation(None, res.key, res.request_id, value=pulled)
 
     def _failed_uncacheable(self, key: EmbeddingCacheKey, slot: int, gen: int) -> bool:
         """After the reservation (slot, gen) we waited on ended: True if its value could not be

@@ -9,7 +9,6 @@ reuses it without a lock after a lock-free check that (slot, gen) is still seale
 from __future__ import annotations
 
 import logging
-import mmap
 import threading
 import time
 import weakref
@@ -24,6 +23,7 @@ from shmcache.format import decode, entry
 from shmcache.format.values import Value
 from shmcache.gpu.record import GpuRecord
 from shmcache.gpu.side import DeviceSide
+from shmcache.kernel.cowmap import CowMapper
 from shmcache.keys.key import EmbeddingCacheKey
 from shmcache.node.index import NodeIndex
 from shmcache.node.layout import Counter
@@ -63,7 +63,7 @@ class Views:
     def __init__(
         self,
         node: NodeIndex,
-        arena: mmap.mmap,
+        arena: CowMapper,
         config: CacheConfig,
         device: DeviceSide,
         requests: RequestRefs,
@@ -85,16 +85,30 @@ class Views:
         with self._lock:
             self._local.clear()
 
+    def lookup(self, key: EmbeddingCacheKey, needle: bytes, request_id: RequestId | None) -> Value | None:
+        """`get`: a repeat hit, else a node lookup delivered as a new view; None for a miss."""
+        value = self.repeat_hit(needle, key, request_id)
+        if value is not None:
+            return value
+        node = self._node
+        sealed = node.lookup(needle, pins=self.pins_for(request_id))
+        if sealed is None:
+            node.count(Counter.MISSES)
+            return None
+        node.count(Counter.HITS_NODE)
+        return self.deliver(key, needle, sealed, request_id)
+
     def deliver(
         self, key: EmbeddingCacheKey, needle: bytes, sealed: SealedEntry, request_id: RequestId | None
     ) -> Value | None:
         """Turn an entry pinned `pins_for(request_id)` times into the returned value; None (pins
         given back, entry dropped) if it fails verification."""
         node, slot, gen = self._node, sealed.slot, sealed.gen
-        # made straight from the mapping (not sliced from another array), so that every array
-        # derived from it keeps it as its base: its finalizer then releases the view pin
-        holder = np.frombuffer(self._arena, dtype=np.uint8, count=sealed.size, offset=sealed.offset)
+        # a copy-on-write mapping of the entry (no write reaches the node's copy), made straight
+        # as an array (not sliced from another), so that every array derived from it keeps it as
+        # its base: its finalizer then releases the view pin
         try:
+            holder = self._arena.view(sealed.offset, sealed.size)
             value, parsed, aliased = self._build(key, holder, sealed)
         except CorruptValue as exc:
             node.count(Counter.CORRUPT_RECORDS)
@@ -124,7 +138,8 @@ class Views:
     ) -> tuple[Value, decode.ParsedValue, bool]:
         """(value, its parsed format, whether it aliases device memory of the exporter)."""
         body = entry.verify(holder.data, key, sealed.gen)
-        self.check_unmodified(key, holder, sealed.slot, sealed.gen)
+        if self._config.debug_check_views and not entry.checksum_matches(holder.data):
+            raise CorruptValue("the node's copy does not match its checksum")
         parsed = decode.parse(body)
         if parsed.on_device:
             on_device = self._device.materialize(holder, sealed, parsed, copy=self._clone)
@@ -134,12 +149,15 @@ class Views:
         value = decode.materialize(holder, parsed, copy=self._clone, base=entry.ENTRY_HEADER_SIZE)
         return value, parsed, False
 
-    def check_unmodified(self, key: EmbeddingCacheKey, holder: np.ndarray, slot: int, gen: int) -> None:
-        """Debug mode: verify the entry's checksum; a mismatch means a view was written to."""
+    def _check_unmodified(self, needle: bytes, key: EmbeddingCacheKey, holder: np.ndarray) -> None:
+        """Debug mode: `ViewMutated` if a view this process was given of `key` was written to
+        (the write stayed in this process's copy-on-write mapping; the next get maps afresh)."""
         if self._config.debug_check_views and not entry.checksum_matches(holder.data):
-            self._node.count(Counter.CORRUPT_RECORDS)
-            self._node.drop(slot, gen)
-            raise ViewMutated(f"{key!r}: a returned view was written to; the entry was dropped")
+            with self._lock:
+                self._local.pop(needle, None)
+            raise ViewMutated(
+                f"{key!r}: a view returned in this process was written to (the node's copy is intact)"
+            )
 
     def repeat_hit(
         self, needle: bytes, key: EmbeddingCacheKey, request_id: RequestId | None, *, count: bool = True
@@ -159,7 +177,7 @@ class Views:
                 return None  # a GPU entry's device arrays are made by a full delivery (its route)
             if found.aliases is not None and not self._device.still_aliasable(slot, found.aliases):
                 return None  # its exporter died or withdrew it: no new aliases of that memory
-        self.check_unmodified(key, holder, slot, gen)
+        self._check_unmodified(needle, key, holder)
         if request_id is not None:
             if not node.add_ref(slot, gen):
                 return None

@@ -1,0 +1,41 @@
+"""Argument checks of the public calls: each raises one typed error before anything is touched."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shmcache.errors import ArgumentTypeError, InvalidKey, RequestIdTypeError
+from shmcache.keys.key import EmbeddingCacheKey
+from shmcache.node.layout import needle_of
+from shmcache.process.reservation import ReservationTicket
+
+__all__ = ["check_callable", "check_request", "check_ticket", "needle"]
+
+
+def check_request(request_id: Any) -> None:
+    """`RequestIdTypeError` for a request id that cannot be a dict key."""
+    try:
+        hash(request_id)
+    except TypeError:
+        raise RequestIdTypeError(f"request_id must be hashable, got {type(request_id).__name__}") from None
+
+
+def check_callable(name: str, function: Any) -> None:
+    """`ArgumentTypeError` unless `function` can be called."""
+    if not callable(function):
+        raise ArgumentTypeError(f"{name} must be callable, got {type(function).__name__}")
+
+
+def check_ticket(ticket: Any) -> None:
+    """`ArgumentTypeError` unless `ticket` is a `ReservationTicket`."""
+    if not isinstance(ticket, ReservationTicket):
+        raise ArgumentTypeError(f"ticket must be a ReservationTicket, got {type(ticket).__name__}")
+
+
+def needle(key: Any, algorithm: str) -> bytes:
+    """The index needle of `key`; `InvalidKey` for anything but a key of hash `algorithm`."""
+    if not isinstance(key, EmbeddingCacheKey):
+        raise InvalidKey(f"expected an EmbeddingCacheKey, got {type(key).__name__}")
+    if key.algorithm != algorithm:
+        raise InvalidKey(f"key uses {key.algorithm}, this cache is configured for {algorithm}")
+    return needle_of(key)

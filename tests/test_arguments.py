@@ -1,0 +1,53 @@
+"""Every public call of `EmbeddingCache` checks its arguments first: one typed error (a
+`ShmCacheError` that is also the matching builtin), and no pin, reservation or entry changed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shmcache import (
+    ArgumentTypeError,
+    CacheConfig,
+    EmbeddingCache,
+    EncoderPreprocessingConfig,
+    RequestIdTypeError,
+    UnsupportedValue,
+)
+from tests.test_cache_local import key
+
+
+def test_an_unhashable_request_id_is_a_typed_error_and_takes_no_pin(
+    config: CacheConfig, pconfig: EncoderPreprocessingConfig
+) -> None:
+    with EmbeddingCache(config) as cache:
+        k = key(pconfig, "held")
+        cache.put(k, torch.ones(8))
+        for call in (
+            lambda: cache.get(k, request_id=["r"]),
+            lambda: cache.put(k, torch.ones(8), request_id={"r": 1}),
+            lambda: cache.get_or_compute(k, lambda: torch.ones(8), request_id=["r"]),
+            lambda: cache.cleanup_request(["r"]),
+        ):
+            with pytest.raises(RequestIdTypeError):
+                call()
+        cache.flush_releases()
+        assert cache.stats()["references"] == 0
+
+
+def test_bad_arguments_are_typed_errors_and_change_nothing(
+    config: CacheConfig, pconfig: EncoderPreprocessingConfig
+) -> None:
+    with EmbeddingCache(config) as cache:
+        stored, fresh = key(pconfig, "stored"), key(pconfig, "fresh")
+        cache.put(stored, torch.ones(8))
+        with pytest.raises(UnsupportedValue):
+            cache.put(stored, "a string")  # refused though the key is stored already
+        with pytest.raises(ArgumentTypeError, match="compute_fn must be callable"):
+            cache.get_or_compute(fresh, torch.ones(8))  # type: ignore[arg-type]
+        with pytest.raises(ArgumentTypeError, match="ReservationTicket"):
+            cache.adopt({"slot": 0}, fresh)  # type: ignore[arg-type]
+        cache.flush_releases()
+        stats = cache.stats()
+        assert (stats["references"], stats["reserved"], stats["entries"]) == (0, 0, 1)
+        assert torch.equal(cache.get(stored), torch.ones(8)) and cache.get(fresh) is None

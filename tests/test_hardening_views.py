@@ -1,0 +1,119 @@
+"""No consumer can write through a returned view into the node's copy: numpy views are read-only
+(a write raises), and a write through a torch tensor (or a numpy array made writeable on purpose)
+lands in this process's copy-on-write mapping, never in the node's copy or another process."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import multiprocessing as mp
+import os
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from shmcache import CacheConfig, EmbeddingCache, EmbeddingCacheKey, ViewMutated
+from shmcache.testing import sample_preprocessing
+from tests.helpers import spawn
+
+ONES = torch.ones(4096, dtype=torch.float32)  # 16 KiB: several pages, so a write copies one of many
+
+
+def _key(name: str) -> EmbeddingCacheKey:
+    return EmbeddingCacheKey.from_raw_bytes(name.encode(), sample_preprocessing(), modality="image")
+
+
+def read_both(config: CacheConfig, results: Any) -> None:
+    """Another process: report whether both entries read as stored."""
+    with EmbeddingCache(config) as cache:
+        tensor, array = cache.get(_key("tensor")), cache.get(_key("array"))
+        results.put((torch.equal(tensor, ONES), bool((array == ONES.numpy()).all())))
+
+
+def _other_process_reads(config: CacheConfig) -> tuple[bool, bool]:
+    results = mp.get_context("spawn").Queue()
+    proc = spawn(read_both, config, results)
+    report: tuple[bool, bool] = results.get(timeout=120)
+    proc.join(30)
+    return report
+
+
+def test_a_write_through_a_returned_view_never_reaches_the_nodes_copy(config: CacheConfig) -> None:
+    with EmbeddingCache(config) as cache:
+        cache.put(_key("tensor"), ONES)
+        cache.put(_key("array"), ONES.numpy())
+        tensor, array = cache.get(_key("tensor")), cache.get(_key("array"))
+        with pytest.raises(ValueError, match="read-only"):
+            array[0] = 42.0  # numpy: read-only, the write raises
+        tensor.add_(1)  # torch has no read-only tensors: the write is this mapping's own
+        array.flags.writeable = True  # on purpose, as a careless consumer might
+        array[:] = 7.0
+        assert float(tensor[0]) == 2.0 and float(array[-1]) == 7.0
+        assert _other_process_reads(config) == (True, True)
+        del tensor, array
+        gc.collect()
+        # a view made after the written ones are gone reads the node's copy
+        assert torch.equal(cache.get(_key("tensor")), ONES)
+        assert (cache.get(_key("array")) == ONES.numpy()).all()
+        assert cache.stats()["corrupt_records"] == 0
+
+
+def test_views_of_one_process_alias_each_other_and_nothing_else(config: CacheConfig) -> None:
+    """Within one process the views of an entry share one mapping (a repeat hit costs no new one),
+    as the values of an in-process cache would; another process never sees the write."""
+    with EmbeddingCache(config) as cache:
+        cache.put(_key("tensor"), ONES)
+        cache.put(_key("array"), ONES.numpy())
+        first = cache.get(_key("tensor"))
+        first[0] = -1.0
+        assert float(cache.get(_key("tensor"))[0]) == -1.0
+        assert _other_process_reads(config) == (True, True)
+
+
+def test_debug_mode_names_a_written_view_and_keeps_the_nodes_copy(config: CacheConfig) -> None:
+    with EmbeddingCache(dataclasses.replace(config, debug_check_views=True)) as cache:
+        cache.put(_key("tensor"), ONES)
+        view = cache.get(_key("tensor"))
+        view.mul_(3)
+        with pytest.raises(ViewMutated, match="node's copy is intact"):
+            cache.get(_key("tensor"))
+        # the process's written mapping is forgotten: the next get maps the node's copy afresh
+        assert torch.equal(cache.get(_key("tensor")), ONES)
+        assert float(view[0]) == 3.0  # the written view itself is the consumer's own
+        assert cache.stats()["corrupt_records"] == 0
+
+
+def test_each_view_mapping_is_removed_with_its_last_array(config: CacheConfig) -> None:
+    path = f"/dev/shm/shmcache.{os.geteuid()}.{config.namespace}.arena"
+    cache = EmbeddingCache(config)
+    cache.put(_key("tensor"), ONES)
+    before = _mappings(path)
+    view = cache.get(_key("tensor"))
+    row = view[1:]  # derived: keeps the mapping alive
+    assert _mappings(path) == before + 1
+    cache.close()
+    del view
+    gc.collect()
+    assert torch.equal(row, ONES[1:]) and _mappings(path) == before + 1
+    del row
+    gc.collect()
+    assert _mappings(path) == before
+
+
+def _mappings(path: str) -> int:
+    """How many mappings of `path` this process has."""
+    with open("/proc/self/maps") as maps:
+        return sum(1 for line in maps if line.split(maxsplit=5)[-1].strip().startswith(path))
+
+
+def test_views_cost_no_file_descriptor(config: CacheConfig) -> None:
+    with EmbeddingCache(config) as cache:
+        keys = [_key(f"v{i}") for i in range(64)]
+        for k in keys:
+            cache.put(k, np.arange(8, dtype=np.int64))
+        before = len(os.listdir("/proc/self/fd"))
+        views = [cache.get(k) for k in keys]
+        assert len(os.listdir("/proc/self/fd")) == before
+        assert all((v == np.arange(8)).all() for v in views)
