@@ -19,6 +19,7 @@ import pytest
 pytest.importorskip("vllm", reason="the vllm extra is not installed")
 
 from shmcache import CacheConfig, EmbeddingCache, destroy_namespace
+from shmcache.integrations.vllm_omni import stage_with_embedding_cache
 from shmcache.testing import namespace_objects
 from tests.helpers import wait_for
 from tests.vllm.engine import EngineProcess, EngineResult, EngineRun, ImageRequest, spawn_engine
@@ -34,14 +35,12 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def connector(namespace: str, **extra: Any) -> dict[str, Any]:
-    """The ec_transfer_config switching shmcache on."""
-    return {
-        "ec_connector": "ShmCacheECConnector",
-        "ec_connector_module_path": "shmcache.integrations.vllm",
-        "ec_role": "ec_both",
-        "ec_buffer_device": "cpu",
-        "ec_connector_extra_config": {"namespace": namespace, "capacity_bytes": CAPACITY, **extra},
-    }
+    """The ec_transfer_config switching shmcache on: what a vLLM-Omni stage's `embedding_cache:`
+    block becomes (tests/test_vllm_omni_stages.py), so the engines run exactly that."""
+    block = {"enable_embedding_cache": True, "namespace": namespace, "capacity_bytes": CAPACITY, **extra}
+    stage = stage_with_embedding_cache({"stage_id": 0, "embedding_cache": block})
+    ec: dict[str, Any] = stage["ec_transfer_config"]
+    return ec
 
 
 @pytest.fixture
@@ -175,7 +174,11 @@ def test_without_the_cache_outputs_are_identical_and_no_shared_memory_is_touched
     watcher = threading.Thread(target=watch)
     watcher.start()
     try:
-        off = connector(namespace, enable_embedding_cache=False)
+        on = connector(namespace)  # the connector loaded, and switched off in its extra config
+        off = {
+            **on,
+            "ec_connector_extra_config": {**on["ec_connector_extra_config"], "enable_embedding_cache": False},
+        }
         disabled = spawn_engine(EngineRun(model, str(tmp_path / "off.json"), requests, off))
     finally:
         stop.set()

@@ -1,4 +1,4 @@
-"""The `shmcache` command: `shmcache demo`, `shmcache hold`, `shmcache inspect` (and `python -m shmcache`)."""
+"""The `shmcache` command: `demo`, `hold`, `inspect`, `omni-deploy` (and `python -m shmcache`)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ commands:
   demo      encoder and prefill processes sharing one node cache (see `shmcache demo --help`)
   inspect   what this node's caches hold and who holds it (the same as `shmcache-inspect`)
   hold      keep a namespace alive while engines come and go (see `shmcache hold --help`)
+  omni-deploy  turn a vLLM-Omni deploy YAML's embedding_cache: blocks into engine arguments
 """
 
 
@@ -29,6 +30,10 @@ def main(argv: list[str] | None = None) -> int:
         from shmcache.ops.hold import main as hold
 
         return hold(rest)
+    if command == "omni-deploy":
+        from shmcache.integrations.vllm_omni.deploy import main as omni_deploy
+
+        return omni_deploy(rest)
     if command == "inspect":
         from shmcache.ops.inspect import main as inspect
 
