@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
 import uuid
 from collections.abc import Iterator
 
 import pytest
-import torch
 
 from shmcache import CacheConfig, EmbeddingCache, destroy_namespace
-from shmcache.errors import RemoteUnavailable
-from shmcache.remote.store import RemoteStore, free_port, remote_key
+from shmcache.remote.store import RemoteStore, remote_key
 from shmcache.testing import MooncakeMaster, ProcessPool
 from tests.helpers import wait_for
 from tests.workers import expected_value, fingerprint, key_of
@@ -64,24 +61,6 @@ def test_node_b_pulls_once_for_four_processes(
         assert a.stats()["computes"] == 1
 
 
-def test_degrade_mode_without_a_master_runs_node_local(
-    shmcache_namespace: str, caplog: pytest.LogCaptureFixture
-) -> None:
-    config = remote_config(shmcache_namespace, f"127.0.0.1:{free_port()}")
-    with caplog.at_level(logging.WARNING, logger="shmcache"), EmbeddingCache(config) as cache:
-        value = cache.get_or_compute(key_of("x"), lambda: expected_value("x"))
-        assert fingerprint(value) == fingerprint(expected_value("x"))
-        del value
-        assert cache.stats()["computes"] == 1
-    assert sum("remote layer off" in r.message for r in caplog.records) == 1
-
-
-def test_strict_mode_without_a_master_fails_naming_the_address(shmcache_namespace: str) -> None:
-    address = f"127.0.0.1:{free_port()}"
-    with pytest.raises(RemoteUnavailable, match=address):
-        EmbeddingCache(remote_config(shmcache_namespace, address, store_unavailable_mode="strict"))
-
-
 def test_master_killed_mid_run_degrades_without_losing_node_entries(
     shmcache_mooncake: MooncakeMaster, shmcache_namespace: str
 ) -> None:
@@ -94,29 +73,6 @@ def test_master_killed_mid_run_degrades_without_losing_node_entries(
         assert fingerprint(value) == fingerprint(expected_value("after"))
         time.sleep(0.5)
         assert cache.get(key_of("after")) is not None and cache.get(key_of("before")) is not None
-
-
-def test_a_full_publish_queue_is_counted_as_drops(
-    shmcache_mooncake: MooncakeMaster, shmcache_namespace: str
-) -> None:
-    import threading
-
-    config = remote_config(shmcache_namespace, shmcache_mooncake.address, remote_publish_queue=1)
-    with EmbeddingCache(config) as cache:
-        assert cache._bridge is not None
-        remote = cache._bridge.store
-        assert remote is not None and remote.available
-        busy = threading.Event()
-        for _ in range(2):  # occupy both publisher threads, as two slow transfers would
-            remote._executor.submit(busy.wait, 30)
-        started = time.monotonic()
-        for i in range(5):
-            cache.put(key_of(f"bulk-{i}"), torch.full((1 << 20,), i, dtype=torch.uint8))
-        assert time.monotonic() - started < 5  # never blocked on the full queue
-        stats = cache.stats()
-        assert stats["remote_publish_drops"] == 4  # one queued, four dropped
-        busy.set()
-        wait_for(lambda: cache.stats()["remote_publishes"] == 1, what="the queued publish")
 
 
 def test_corrupt_or_foreign_remote_values_are_rejected(

@@ -30,6 +30,7 @@ class EncoderPreprocessingConfig:
     model_revision: str
     encoder_config_hash: str
     processor_version: str
+    processor_config_hash: str
     resize_mode: str
     image_size: tuple[int, ...]
     crop_mode: str
@@ -47,6 +48,32 @@ class EncoderPreprocessingConfig:
             object.__setattr__(self, field.name, _checked(field.name, field.type, value))
         if self.cache_schema_version < 0:
             raise InvalidConfig("cache_schema_version must be >= 0")
+
+    @classmethod
+    def from_processor(
+        cls,
+        processor: Any,
+        encoder_config: Any,
+        *,
+        modality: str,
+        model_revision: str,
+        model_id: str | None = None,
+        input_dtype: str | None = None,
+    ) -> EncoderPreprocessingConfig:
+        """Every field read from a Hugging Face processor (or the component of a composite one
+        that prepares `modality`) and the encoder's transformers config, plus a digest of the
+        processor's complete settings; `model_revision` names the weights (a config does not).
+        See `shmcache.keys.processors`."""
+        from shmcache.keys.processors import preprocessing_from_processor
+
+        return preprocessing_from_processor(
+            processor,
+            encoder_config,
+            modality=modality,
+            model_revision=model_revision,
+            model_id=model_id,
+            input_dtype=input_dtype,
+        )
 
     def framed(self) -> bytes:
         """The framed (unambiguous) bytes of every field name and value, in declaration order.

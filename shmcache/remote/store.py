@@ -73,7 +73,7 @@ class RemoteStore:
         self.master = master
         self._count = count
         self._store: Any = None
-        self._warned = False
+        self._warned = self._warned_full = False
         self._registered: set[tuple[int, int]] = set()
         self._slots = threading.BoundedSemaphore(queue_size)
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="shmcache-publish")
@@ -149,13 +149,18 @@ class RemoteStore:
     def publish(self, name: str, address: int, nbytes: int, done: Callable[[], None]) -> bool:
         """Queue `put_from(name, address, nbytes)`; `done()` runs after it (success or not).
 
-        Never blocks: a full queue drops the publish (counted, logged) and returns False.
+        Never blocks: a full queue drops the publish (counted; the first drop is warned) and returns False.
         """
         if self._store is None:
             return False
         if not self._slots.acquire(blocking=False):
             self._count(Counter.REMOTE_PUBLISH_DROPS, 1)
-            log.info("shmcache: publish queue full, dropped %s", name)
+            if not self._warned_full:  # once: the counter tells how many more
+                self._warned_full = True
+                log.warning(
+                    "shmcache: publish queue full, dropping publishes (counted as remote_publish_drops): %s",
+                    name,
+                )
             return False
         try:
             self._executor.submit(self._put, name, address, nbytes, done)

@@ -32,6 +32,7 @@ SAMPLE_PREPROCESSING: Final = EncoderPreprocessingConfig(
     model_revision="abc123",
     encoder_config_hash="e0c0",
     processor_version="4.51.0",
+    processor_config_hash="3a7e",
     resize_mode="bicubic",
     image_size=(448, 448),
     crop_mode="center",

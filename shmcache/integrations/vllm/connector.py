@@ -49,7 +49,9 @@ class ShmCacheECConnector(ECConnectorBase):
         self._cache = EmbeddingCache(settings.cache)
         keys = KeyMaker(preprocessing_of(vllm_config, settings.key_salt), settings.cache)
         self._scheduler = SchedulerSide(self._cache, keys) if role == ECConnectorRole.SCHEDULER else None
-        device = str(transfer.ec_buffer_device or "cpu") if transfer else "cpu"
+        # loads go where the model runner keeps its encoder outputs: the engine's device (not
+        # `ec_buffer_device`, which vLLM defaults to "cuda" for its own transfer buffers)
+        device = vllm_config.device_config.device_type or "cpu"
         self._worker = WorkerSide(self._cache, "cpu" if device.startswith("cpu") else device)
 
     def _failed(self, what: str, exc: BaseException) -> None:

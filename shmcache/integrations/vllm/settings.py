@@ -62,6 +62,7 @@ def preprocessing_of(vllm_config: Any, key_salt: str) -> EncoderPreprocessingCon
         model_revision=str(model.revision or ""),
         encoder_config_hash=config_hash,
         processor_version=f"vllm {vllm.__version__}; transformers {transformers.__version__}; {key_salt}",
+        processor_config_hash="",  # the processor and its kwargs are in the mm_hash itself
         resize_mode="",
         image_size=(),
         crop_mode="",

@@ -1,0 +1,134 @@
+"""`CachedEncoder`: an encoder whose batched calls compute each item once per node.
+
+A call is cut into items (`items.py`); every item is keyed by its input tensor and the
+encoder's `EncoderPreprocessingConfig`, and looked up in one `get_many`. The misses are
+reserved without waiting (`try_reserve(pull=True)`: a remote copy is pulled instead of
+computed); the encoder runs once on the items this process reserved (or that could not be
+cached), and each output is committed, which wakes the other processes waiting for it. Items
+another process was computing are then waited for one by one, after ours are committed, so two
+processes that each reserved some items of the other's batch never wait on each other. The
+outputs are joined in item order.
+
+References are taken for the request in scope (`cache.request(rid)`, `shmcache.process.scope`)
+and released by `cleanup_request(rid)`. The result is the encoder's own output for every item it
+computed here; an item found in the cache is the output of the call that computed it, so the
+joined result is bit-identical to calling the encoder on the whole batch when the encoder's
+output for an item does not depend on the other items of its batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from shmcache.errors import CapacityError
+from shmcache.format.values import Value
+from shmcache.integrations.encoder.items import ItemCall, ItemLayout
+from shmcache.keys.key import EmbeddingCacheKey, Modality
+from shmcache.keys.preprocessing import EncoderPreprocessingConfig
+from shmcache.process.arguments import check_callable
+from shmcache.process.cache import EmbeddingCache
+from shmcache.process.reservation import RequestId, Reservation
+from shmcache.process.scope import current_request
+
+__all__ = ["CachedEncoder"]
+
+
+class CachedEncoder:
+    """`encoder` (a module or function over a batch of items) behind the node cache."""
+
+    def __init__(
+        self,
+        cache: EmbeddingCache,
+        encoder: Callable[..., Any],
+        *,
+        items: ItemLayout,
+        preprocessing: EncoderPreprocessingConfig,
+        modality: Modality,
+    ) -> None:
+        check_callable("encoder", encoder)
+        self.cache, self.encoder, self.items = cache, encoder, items
+        self.preprocessing, self.modality = preprocessing, modality
+
+    @classmethod
+    def install(
+        cls,
+        module: Any,
+        cache: EmbeddingCache,
+        *,
+        items: ItemLayout,
+        preprocessing: EncoderPreprocessingConfig,
+        modality: Modality,
+    ) -> CachedEncoder:
+        """Route `module`'s calls (`module(x, ...)`, as its owner makes them) through the cache,
+        by setting its instance's `forward`; `uninstall(module)` undoes it."""
+        hook = cls(cache, module.forward, items=items, preprocessing=preprocessing, modality=modality)
+        module.forward = hook
+        return hook
+
+    @staticmethod
+    def uninstall(module: Any) -> None:
+        """Give `module` its own `forward` back."""
+        if isinstance(module.__dict__.get("forward"), CachedEncoder):
+            del module.forward
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        call = self.items.split(args, kwargs)
+        if not self.cache.config.enable_embedding_cache or call.count == 0:
+            return self.encoder(*args, **kwargs)
+        keys = [
+            self.cache.key_from_decoded_tensor(tensor, self.preprocessing, modality=self.modality)
+            for tensor in call.keys
+        ]
+        request_id = current_request()
+        outputs: list[Value | None] = list(self.cache.get_many(keys, request_id))
+        missing = [i for i, value in enumerate(outputs) if value is None]
+        if missing:
+            self._fill(call, keys, outputs, missing, request_id)
+        return self.items.join(outputs)
+
+    def _fill(
+        self,
+        call: ItemCall,
+        keys: Sequence[EmbeddingCacheKey],
+        outputs: list[Value | None],
+        missing: Sequence[int],
+        request_id: RequestId | None,
+    ) -> None:
+        """Fill `outputs[i]` for every missing item: computed here, pulled, or waited for."""
+        ours: dict[int, Reservation] = {}
+        elsewhere = []
+        for i in missing:
+            res = self.cache.try_reserve(keys[i], request_id, pull=True)
+            if res is None:
+                elsewhere.append(i)
+            elif res.value is not None:
+                outputs[i] = res.value
+            else:
+                ours[i] = res  # owned, or uncached (no room): computed here either way
+        if ours:
+            self._compute(call, ours, outputs)
+        for i in elsewhere:  # computed by another process: wait for it (or take it over)
+            outputs[i] = self.cache.get_or_compute(keys[i], functools.partial(self._one, call, i), request_id)
+
+    def _compute(self, call: ItemCall, ours: dict[int, Reservation], outputs: list[Value | None]) -> None:
+        """One encoder call over the items reserved here; each output committed as computed. On
+        any error every reservation not committed yet is abandoned (its waiters are told)."""
+        items = list(ours)
+        with contextlib.ExitStack() as stack:
+            for res in ours.values():
+                stack.enter_context(res)
+            args, kwargs = self.items.subset(call, items)
+            results = self.items.cut(self.encoder(*args, **kwargs), call, items)
+            for i, result in zip(items, results, strict=True):
+                try:
+                    outputs[i] = ours[i].commit(result, view=False)
+                except CapacityError:  # too large to cache: returned all the same
+                    outputs[i] = result
+
+    def _one(self, call: ItemCall, i: int) -> Any:
+        """Item `i` computed alone (the process that was computing it failed or died)."""
+        args, kwargs = self.items.subset(call, [i])
+        return self.items.cut(self.encoder(*args, **kwargs), call, [i])[0]

@@ -1,0 +1,176 @@
+"""`CachedEncoder` on real transformers encoders (tiny random weights): a batched call looks
+every item up at once, encodes only the missing ones (once per node, across processes), and
+joins the outputs in order, bit-identical to the unwrapped encoder on the whole batch."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from shmcache import ArgumentTypeError, CacheConfig, EmbeddingCache
+from shmcache.integrations.encoder import CachedEncoder
+from tests.encoders import batch, build
+from tests.helpers import spawn
+
+ENCODERS = ["clip", "siglip", "whisper", "qwen2-vl"]
+
+
+def batch_invariant() -> None:
+    """One intra-op thread and no oneDNN: then these encoders' outputs for an item do not depend
+    on the other items of the batch (with several threads the CPU matmul kernels may split rows
+    differently, and oneDNN's convolutions differ between batch sizes). Measured here: even so,
+    a Qwen2-VL item of 8 patch rows comes out ~1 ulp apart alone and in a batch, so the packed
+    items of these tests have 16 rows or more. Batch invariance is the encoder's property: the
+    hook returns exactly what the encoder computed for each item, in whichever call it ran."""
+    torch.set_num_threads(1)
+    torch.backends.mkldnn.enabled = False
+
+
+@pytest.fixture(autouse=True)
+def invariant_kernels() -> Iterator[None]:
+    threads, onednn = torch.get_num_threads(), torch.backends.mkldnn.enabled
+    batch_invariant()
+    yield
+    torch.set_num_threads(threads)
+    torch.backends.mkldnn.enabled = onednn
+
+
+def _hooked(cache: EmbeddingCache, name: str) -> tuple[Any, CachedEncoder]:
+    encoder = build(name)
+    hook = CachedEncoder(
+        cache, encoder, items=encoder.items, preprocessing=encoder.preprocessing(), modality=encoder.modality
+    )
+    return encoder, hook
+
+
+@pytest.mark.parametrize("name", ENCODERS)
+def test_only_missing_items_are_encoded_and_the_output_is_the_whole_batchs(
+    config: CacheConfig, name: str
+) -> None:
+    with EmbeddingCache(config) as cache:
+        encoder, hook = _hooked(cache, name)
+        args, kwargs = batch(name, [1, 2, 1, 3])  # item 2 repeats item 0
+        want = encoder(*args, **kwargs)
+        encoder.encoded.clear()
+        first_args, first_kwargs = batch(name, [2])
+        hook(*first_args, **first_kwargs)  # item 1 is cached before the batch comes
+        got = hook(*args, **kwargs)
+        assert encoder.encoded == [1, 2]  # then one call over the two new distinct items
+        assert got.dtype == want.dtype and torch.equal(got, want)
+        again = hook(*args, **kwargs)
+        assert encoder.encoded == [1, 2] and torch.equal(again, want)  # all hits
+        del got, again
+        cache.flush_releases()
+        stats = cache.stats()
+        assert stats["entries"] == stats["puts"] == 3 and stats["references"] == 0
+
+
+def encode_after(config: CacheConfig, name: str, seeds: list[int], start: Any, results: Any) -> None:
+    """Another process: the same hooked encoder over `seeds`, started together with the others."""
+    batch_invariant()
+    with EmbeddingCache(config) as cache:
+        encoder, hook = _hooked(cache, name)
+        args, kwargs = batch(name, seeds)
+        start.wait(60)
+        got = hook(*args, **kwargs)
+        encoded = sum(encoder.encoded)
+        results.put((encoded, got.numpy().tobytes(), encoder(*args, **kwargs).numpy().tobytes()))
+
+
+@pytest.mark.parametrize("name", ["clip", "qwen2-vl"])
+def test_two_processes_with_the_same_items_encode_each_once(config: CacheConfig, name: str) -> None:
+    ctx = mp.get_context("spawn")
+    start, results = ctx.Barrier(2), ctx.Queue()
+    procs = [spawn(encode_after, config, name, seeds, start, results) for seeds in ([5, 6, 7], [7, 6, 5])]
+    got = [results.get(timeout=180) for _ in procs]
+    for proc in procs:
+        proc.join(30)
+    assert sum(encoded for encoded, _, _ in got) == 3  # three distinct items, one forward each
+    assert all(output == unwrapped for _, output, unwrapped in got)
+
+
+def test_references_follow_the_request_in_scope(config: CacheConfig) -> None:
+    with EmbeddingCache(config) as cache:
+        _, hook = _hooked(cache, "clip")
+        args, kwargs = batch("clip", [1, 2, 3])
+        with cache.request("req-1"):
+            out = hook(*args, **kwargs)
+        del out
+        cache.flush_releases()
+        assert cache.stats()["references"] == 3  # held for the request, not for the output
+        assert cache.cleanup_request("req-1") == 3
+        hook(*args, **kwargs)
+        cache.flush_releases()
+        assert cache.stats()["references"] == 0  # no request in scope: nothing held
+
+
+def test_a_failing_encoder_abandons_its_items_and_the_next_call_encodes_them(config: CacheConfig) -> None:
+    with EmbeddingCache(config) as cache:
+        encoder, hook = _hooked(cache, "whisper")
+        args, kwargs = batch("whisper", [1, 2])
+        broken = CachedEncoder(
+            cache,
+            lambda *a, **k: 1 / 0,
+            items=encoder.items,
+            preprocessing=encoder.preprocessing(),
+            modality="audio",
+        )
+        with pytest.raises(ZeroDivisionError):
+            broken(*args, **kwargs)
+        stats = cache.stats()
+        assert stats["reserved"] == 0 and stats["entries"] == 0
+        assert torch.equal(hook(*args, **kwargs), encoder(*args, **kwargs))
+
+
+def test_the_same_patch_rows_under_another_grid_are_another_item(config: CacheConfig) -> None:
+    with EmbeddingCache(config) as cache:
+        encoder, hook = _hooked(cache, "qwen2-vl")
+        rows = torch.ones(16, 96)
+        wide = hook(rows, grid_thw=torch.tensor([[1, 2, 8]]))
+        square = hook(rows, grid_thw=torch.tensor([[1, 4, 4]]))
+        assert encoder.encoded == [1, 1]  # no false hit: the grid is part of the key
+        assert torch.equal(square, encoder(rows, grid_thw=torch.tensor([[1, 4, 4]])))
+        assert not torch.equal(wide, square)
+
+
+def test_calls_without_the_layout_are_typed_errors(config: CacheConfig) -> None:
+    with EmbeddingCache(config) as cache:
+        _, hook = _hooked(cache, "qwen2-vl")
+        with pytest.raises(ArgumentTypeError, match="grid_thw"):
+            hook(torch.ones(16, 96))
+        with pytest.raises(ArgumentTypeError, match="describes 32 rows"):
+            hook(torch.ones(16, 96), grid_thw=torch.tensor([[2, 4, 4]]))
+        with pytest.raises(ArgumentTypeError, match="callable"):
+            CachedEncoder(
+                cache, "visual", items=hook.items, preprocessing=hook.preprocessing, modality="image"
+            )  # type: ignore[arg-type]
+
+
+def test_install_routes_a_modules_own_calls_and_uninstall_undoes_it(config: CacheConfig) -> None:
+    with EmbeddingCache(config) as cache:
+        encoder = build("qwen2-vl")
+        tower = encoder.module  # returns one tensor, as vLLM's `visual` does
+        args, kwargs = batch("qwen2-vl", [1, 2])
+        with torch.no_grad():
+            want = tower(*args, **kwargs)
+            CachedEncoder.install(
+                tower, cache, items=encoder.items, preprocessing=encoder.preprocessing(), modality="image"
+            )
+            assert torch.equal(tower(*args, **kwargs), want)  # as the thinker calls self.visual(...)
+            assert cache.stats()["entries"] == 2
+            CachedEncoder.uninstall(tower)
+            assert "forward" not in tower.__dict__ and torch.equal(tower(*args, **kwargs), want)
+
+
+def test_a_disabled_cache_calls_the_encoder_as_is(config: CacheConfig) -> None:
+    import dataclasses
+
+    with EmbeddingCache(dataclasses.replace(config, enable_embedding_cache=False)) as cache:
+        encoder, hook = _hooked(cache, "clip")
+        args, kwargs = batch("clip", [1, 1])
+        assert torch.equal(hook(*args, **kwargs), encoder(*args, **kwargs))
+        assert encoder.encoded == [2, 2]
