@@ -69,6 +69,7 @@ class CacheConfig:
     remote_buffer_bytes: int = 64 << 20
     remote_key_prefix: str = "shmcache"
     remote_publish_queue: int = 64
+    remote_timeout_s: float = 2.0
     store_unavailable_mode: Literal["degrade", "strict"] = "degrade"
     gpu_reads: Literal["auto", "host"] = "auto"
     gpu_export_bytes: int = 4 << 30
@@ -113,6 +114,7 @@ class CacheConfig:
         for name in ("remote_segment_bytes", "remote_buffer_bytes"):
             _require(0 <= getattr(self, name) <= MAX_REMOTE_BYTES, f"{name} must be in 0..256 TiB")
         _require("@" not in self.remote_key_prefix, "remote_key_prefix must not contain '@'")
+        _require(_timeout_ok(self.remote_timeout_s), f"remote_timeout_s must be in (0, {MAX_TIMEOUT_S}]")
 
     @property
     def n_stripes(self) -> int:

@@ -80,13 +80,14 @@ def test_corrupt_or_foreign_remote_values_are_rejected(
 ) -> None:
     config = remote_config(shmcache_namespace, shmcache_mooncake.address)
     writer = RemoteStore(
-        shmcache_mooncake.address,
-        protocol="tcp",
-        segment_bytes=32 << 20,
-        buffer_bytes=8 << 20,
-        queue_size=4,
-        strict=True,
-        count=lambda name, n: None,
+        CacheConfig(
+            remote_master=shmcache_mooncake.address,
+            remote_segment_bytes=32 << 20,
+            remote_buffer_bytes=8 << 20,
+            remote_publish_queue=4,
+            store_unavailable_mode="strict",
+        ),
+        lambda counter, n: None,
     )
     try:
         import numpy as np
@@ -94,7 +95,7 @@ def test_corrupt_or_foreign_remote_values_are_rejected(
         garbage = np.frombuffer(b"SHME" + bytes(200), dtype=np.uint8).copy()
         writer.register(garbage.ctypes.data, garbage.nbytes)
         name = remote_key(config.remote_key_prefix, key_of("evil"))
-        assert writer._store.put_from(name, garbage.ctypes.data, garbage.nbytes) == 0
+        assert writer._client.put_from(name, garbage.ctypes.data, garbage.nbytes) == 0
         with EmbeddingCache(config) as cache:
             value = cache.get_or_compute(key_of("evil"), lambda: expected_value("evil"))
             assert fingerprint(value) == fingerprint(expected_value("evil"))

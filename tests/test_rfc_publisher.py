@@ -79,4 +79,4 @@ def test_degrade_mode_logs_a_warning_and_continues_local_only(
         del value
         assert cache.stats()["computes"] == 1
         assert fingerprint(cache.get(key_of("x"))) == fingerprint(expected_value("x"))
-    assert sum("remote layer off" in r.message for r in caplog.records) == 1
+    assert sum("unavailable, node-local only" in r.message for r in caplog.records) == 1

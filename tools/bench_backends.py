@@ -94,16 +94,18 @@ class Redis(Client):
 
 class MooncakeAlone(Client):
     def __init__(self, master: str) -> None:
+        from shmcache import CacheConfig
         from shmcache.remote.store import RemoteStore
 
         self.store = RemoteStore(
-            master,
-            protocol="tcp",
-            segment_bytes=512 << 20,
-            buffer_bytes=16 << 20,
-            queue_size=1,
-            strict=True,
-            count=lambda name, n: None,
+            CacheConfig(
+                remote_master=master,
+                remote_segment_bytes=512 << 20,
+                remote_buffer_bytes=16 << 20,
+                remote_publish_queue=1,
+                store_unavailable_mode="strict",
+            ),
+            lambda counter, n: None,
         )
         self.buffer = np.empty(0, dtype=np.uint8)
         self.prefix = "bench-mooncake-alone"
@@ -123,8 +125,8 @@ class MooncakeAlone(Client):
         value = compute()
         array = value.numpy()
         self.store.register(array.ctypes.data, array.nbytes)
-        assert self.store._store is not None
-        if self.store._store.put_from(name, array.ctypes.data, array.nbytes) == 0:
+        assert self.store._client is not None
+        if self.store._client.put_from(name, array.ctypes.data, array.nbytes) == 0:
             self.stored += array.nbytes
         return value, True
 

@@ -60,13 +60,14 @@ def run(rounds: int) -> list[dict[str, float | str]]:
             while a.stats()["remote_publishes"] < len(SIZES) and time.monotonic() < deadline:
                 time.sleep(0.05)
             raw = RemoteStore(
-                master.address,
-                protocol="tcp",
-                segment_bytes=16 << 20,
-                buffer_bytes=16 << 20,
-                queue_size=1,
-                strict=True,
-                count=lambda name, n: None,
+                CacheConfig(
+                    remote_master=master.address,
+                    remote_segment_bytes=16 << 20,
+                    remote_buffer_bytes=16 << 20,
+                    remote_publish_queue=1,
+                    store_unavailable_mode="strict",
+                ),
+                lambda counter, n: None,
             )
             for label, nbytes in SIZES.items():
                 name = remote_key(prefix, key(label))

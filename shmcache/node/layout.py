@@ -50,7 +50,7 @@ __all__ = [
 IndexBuffer = mmap.mmap | bytearray  # a mapped index segment, or a private copy of one (snapshots)
 
 MAGIC: Final = b"SHMCIDX\x01"
-LAYOUT_VERSION: Final = 2
+LAYOUT_VERSION: Final = 3
 NODE_LOCK: Final = 0  # semaphore index of the node lock
 
 
@@ -78,6 +78,7 @@ class Counter(enum.IntEnum):
     REMOTE_PUBLISH_DROPS = enum.auto()
     REMOTE_ERRORS = enum.auto()
     REMOTE_REJECTED = enum.auto()
+    REMOTE_OUTAGES = enum.auto()
     GPU_EXPORTS = enum.auto()
     GPU_EXPORT_SKIPS = enum.auto()
     GPU_HITS_ALIAS = enum.auto()

@@ -51,15 +51,7 @@ class RemoteBridge:
     def open(cls, config: CacheConfig, node: NodeIndex, arena: mmap.mmap, views: Views) -> RemoteBridge:
         """Connect to `config.remote_master` (`RemoteUnavailable` in strict mode if it is down)."""
         assert config.remote_master is not None
-        store = RemoteStore(
-            config.remote_master,
-            protocol=config.remote_protocol,
-            segment_bytes=config.remote_segment_bytes,
-            buffer_bytes=config.remote_buffer_bytes,
-            queue_size=config.remote_publish_queue,
-            strict=config.store_unavailable_mode == "strict",
-            count=node.count,
-        )
+        store = RemoteStore(config, node.count)
         return cls(store, node, arena, views, config.remote_key_prefix)
 
     def close(self) -> None:

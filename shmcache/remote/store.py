@@ -12,6 +12,9 @@ get no TTL of ours: Mooncake's own LRU eviction (at its high watermark) and the 
 lifetime bound them. A remote hit re-seeds the node copy, whose TTL starts afresh; nothing touches
 the remote copy on a hit.
 
+Outages (a master killed, restarted, hung) are survived: see `health.py`; a lookup or a pull
+never waits longer than `remote_timeout_s`.
+
 Values in the store are exactly node entries (entry header + encoded value); every pull verifies
 magic, length and key digest, so a corrupt or foreign value is a counted miss, never data.
 Loopback only in tests: P2PHANDSHAKE metadata, `MC_TCP_BIND_ADDRESS=127.0.0.1`.
@@ -25,11 +28,14 @@ import socket
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-from shmcache.errors import RemoteUnavailable
+from shmcache.config import CacheConfig
+from shmcache.errors import InvalidConfig, RemoteUnavailable
 from shmcache.keys.key import KEY_SCHEMA_VERSION, EmbeddingCacheKey
 from shmcache.node.layout import Counter
+from shmcache.remote.health import Health
 
 __all__ = ["RemoteStore", "free_port", "remote_key"]
 
@@ -37,7 +43,9 @@ log = logging.getLogger("shmcache")
 
 # Mooncake codes that mean "not available" (a miss), never data: see ../shared/MOONCAKE.md
 NOT_AVAILABLE = {-200, -704, -706, -707, -800, -900, -901}
-RPC_FAIL = -900
+MASTER_GONE = {-900, -901}  # RPC_FAIL, RPC timeout: an outage begins
+OBJECT_NOT_FOUND = -704
+PROBE_KEY = "shmcache@probe"  # the recovery probe's 1-byte value (first writer wins: never rewritten)
 
 
 def remote_key(prefix: str, key: EmbeddingCacheKey) -> str:
@@ -56,92 +64,114 @@ class RemoteStore:
     """One process's Mooncake client, with a bounded asynchronous publisher.
 
     `count(counter, n)` is called for every remote event (REMOTE_PUBLISHES, REMOTE_PUBLISH_DROPS,
-    REMOTE_ERRORS), so the node-wide stats show them.
+    REMOTE_ERRORS, REMOTE_OUTAGES), so the node-wide stats show them. A lookup or a pull waits at
+    most `timeout_s` for the store; an outage is survived (`health.py`).
     """
 
-    def __init__(
-        self,
-        master: str,
-        *,
-        protocol: str,
-        segment_bytes: int,
-        buffer_bytes: int,
-        queue_size: int,
-        strict: bool,
-        count: Callable[[Counter, int], None],
-    ) -> None:
-        self.master = master
-        self._count = count
-        self._store: Any = None
-        self._warned = self._warned_full = False
+    def __init__(self, config: CacheConfig, count: Callable[[Counter, int], None]) -> None:
+        """Connect to `config.remote_master` with its `remote_*` settings (`RemoteUnavailable`
+        in strict mode when the master is down)."""
+        if config.remote_master is None:
+            raise InvalidConfig("remote_master is not set")
+        self.master = master = config.remote_master
+        self._count, self._timeout = count, config.remote_timeout_s
+        self._setup_args = (config.remote_protocol, config.remote_segment_bytes, config.remote_buffer_bytes)
+        self._client: Any = None
+        self._warned_full = False
         self._registered: set[tuple[int, int]] = set()
-        self._slots = threading.BoundedSemaphore(queue_size)
+        self._slots = threading.BoundedSemaphore(config.remote_publish_queue)
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="shmcache-publish")
+        self._calls = ThreadPoolExecutor(max_workers=4, thread_name_prefix="shmcache-remote")
+        self.health = Health(master, self._answers, count)
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+        why = self._connect()
+        if why is not None:
+            if config.store_unavailable_mode == "strict":
+                self.close()
+                raise RemoteUnavailable(why + " and store_unavailable_mode is 'strict'")
+            self.health.down(why)
+
+    def _connect(self) -> str | None:
+        """Set the Mooncake client up; why it failed, or None."""
         try:
             from mooncake.store import MooncakeDistributedStore
         except ImportError as exc:
-            self._unavailable(f"the mooncake package is not importable ({exc})", strict)
-            return
-        store = MooncakeDistributedStore()
-        host = f"127.0.0.1:{free_port()}"
-        rc = store.setup(host, "P2PHANDSHAKE", segment_bytes, buffer_bytes, protocol, "", master)
-        if rc != 0 or store.health_check() != 0:
-            store.close()
-            self._unavailable(f"Mooncake master {master} is unreachable (setup rc {rc})", strict)
-            return
-        self._store = store
+            return f"the mooncake package is not importable ({exc})"
+        client = MooncakeDistributedStore()
+        protocol, segment_bytes, buffer_bytes = self._setup_args
+        rc = client.setup(
+            f"127.0.0.1:{free_port()}", "P2PHANDSHAKE", segment_bytes, buffer_bytes, protocol, "", self.master
+        )
+        if rc != 0 or client.health_check() != 0:
+            client.close()
+            return f"Mooncake master {self.master} is unreachable (setup rc {rc})"
+        self._client = client
+        return None
+
+    def _answers(self) -> bool:
+        """The prober's question: can values be stored again? The client is set up if it never
+        was; then a 1-byte put must succeed (after a master restart the master answers ~1 s
+        before the segments are mounted again, and a publish then would fail with no space). With
+        no transfer buffer (`remote_buffer_bytes=0`) a put of bytes cannot work: the master's
+        answer to a lookup is the probe then."""
+        if self._client is None:
+            return self._connect() is None
+        if self._setup_args[2] == 0:
+            rc = self._call("get_size", PROBE_KEY)
+            return rc is not None and (rc >= 0 or rc == OBJECT_NOT_FOUND)
+        return self._call("put", PROBE_KEY, b"\0") == 0
 
     @property
     def available(self) -> bool:
-        return self._store is not None
+        return self.health.up and self._client is not None
 
-    def _unavailable(self, why: str, strict: bool) -> None:
-        if strict:
-            raise RemoteUnavailable(why + " and store_unavailable_mode is 'strict'")
-        self._degrade(why)
-
-    def _degrade(self, why: str) -> None:
-        """Continue node-local only; warn once."""
-        if not self._warned:
-            self._warned = True
-            log.warning("shmcache: remote layer off, running node-local only: %s", why)
-        self._store = None
+    def _call(self, method: str, *args: Any) -> int | None:
+        """`client.method(*args)`, waiting at most `timeout_s`; None (an outage begins) if the
+        master does not answer in time or is gone. The call itself may go on in its thread."""
+        client = self._client
+        if client is None:
+            return None
+        try:
+            rc = int(self._calls.submit(getattr(client, method), *args).result(self._timeout))
+        except FutureTimeout:
+            self.health.down(f"no answer from Mooncake master {self.master} in {self._timeout} s")
+            return None
+        except RuntimeError:  # the executor is shut down: closing
+            return None
+        if rc in MASTER_GONE:
+            self.health.down(f"Mooncake master {self.master} stopped answering (rc {rc})")
+            return None
+        return rc
 
     def register(self, address: int, nbytes: int) -> None:
         """Register node memory for zero-copy transfers (once per range)."""
-        store = self._store
+        client = self._client
         if (
-            store is not None
+            client is not None
             and (address, nbytes) not in self._registered
-            and store.register_buffer(address, nbytes) == 0
+            and client.register_buffer(address, nbytes) == 0
         ):
             self._registered.add((address, nbytes))
 
     def size_of(self, name: str) -> int | None:
         """The stored size of `name`, or None when it is not available."""
-        store = self._store
-        if store is None:
+        if not self.available:
             return None
-        size = store.get_size(name)
-        if size < 0:
-            if size == RPC_FAIL:
-                self._degrade(f"Mooncake master {self.master} stopped answering")
-            elif size not in NOT_AVAILABLE:
+        size = self._call("get_size", name)
+        if size is None or size < 0:
+            if size is not None and size not in NOT_AVAILABLE:
                 self._count(Counter.REMOTE_ERRORS, 1)
             return None
-        return int(size)
+        return size
 
     def get_into(self, name: str, address: int, nbytes: int) -> bool:
-        """Copy `name` into [address, address + nbytes); False on any failure."""
-        store = self._store
-        if store is None:
+        """Copy `name` into [address, address + nbytes); False on any failure (then the transfer
+        may still be writing there: the caller must not reuse that memory)."""
+        if not self.available:
             return False
-        rc = store.get_into(name, address, nbytes)
+        rc = self._call("get_into", name, address, nbytes)
         if rc != nbytes:
-            if rc == RPC_FAIL:
-                self._degrade(f"Mooncake master {self.master} stopped answering")
-            elif rc not in NOT_AVAILABLE:
+            if rc is not None and rc not in NOT_AVAILABLE:
                 self._count(Counter.REMOTE_ERRORS, 1)
             return False
         return True
@@ -151,7 +181,7 @@ class RemoteStore:
 
         Never blocks: a full queue drops the publish (counted; the first drop is warned) and returns False.
         """
-        if self._store is None:
+        if not self.available:
             return False
         if not self._slots.acquire(blocking=False):
             self._count(Counter.REMOTE_PUBLISH_DROPS, 1)
@@ -171,14 +201,14 @@ class RemoteStore:
 
     def _put(self, name: str, address: int, nbytes: int, done: Callable[[], None]) -> None:
         try:
-            store = self._store
-            if store is None:
+            client = self._client
+            if client is None or not self.health.up:
                 return
-            rc = store.put_from(name, address, nbytes)
+            rc = client.put_from(name, address, nbytes)
             if rc == 0:
                 self._count(Counter.REMOTE_PUBLISHES, 1)
-            elif rc == RPC_FAIL:
-                self._degrade(f"Mooncake master {self.master} stopped answering")
+            elif rc in MASTER_GONE:
+                self.health.down(f"Mooncake master {self.master} stopped answering (rc {rc})")
             else:
                 self._count(Counter.REMOTE_ERRORS, 1)
         except Exception as exc:  # a publish must never take the process down
@@ -189,8 +219,9 @@ class RemoteStore:
             done()
 
     def close(self) -> None:
-        """Finish queued publishes, then disconnect."""
+        """Stop probing, finish queued publishes, then disconnect."""
+        self.health.close()
         self._executor.shutdown(wait=True)
-        if self._store is not None:
-            self._store.close()
-            self._store = None
+        self._calls.shutdown(wait=False, cancel_futures=True)
+        if self._client is not None:
+            self._client.close()

@@ -22,15 +22,18 @@ class MooncakeMaster:
     """A real `mooncake_master` bound to 127.0.0.1 on free ports (never the HTTP metadata server)."""
 
     def __init__(self, timeout: float = 20.0) -> None:
-        self.port, metrics = free_port(), free_port()
+        self.port, self._metrics = free_port(), free_port()
         self.address = f"127.0.0.1:{self.port}"
-        self.process = subprocess.Popen(
+        self.process = self._start(timeout)
+
+    def _start(self, timeout: float) -> subprocess.Popen[bytes]:
+        process = subprocess.Popen(
             [
                 self.binary(),
                 f"--rpc_port={self.port}",
                 "--rpc_address=127.0.0.1",
                 "--metrics_host=127.0.0.1",
-                f"--metrics_port={metrics}",
+                f"--metrics_port={self._metrics}",
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -39,12 +42,20 @@ class MooncakeMaster:
         while True:
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=1):
-                    return
+                    return process
             except OSError:
-                if self.process.poll() is not None or time.monotonic() > deadline:
-                    self.kill()
+                if process.poll() is not None or time.monotonic() > deadline:
+                    if process.poll() is None:
+                        process.kill()
+                    process.wait(10)
                     raise RuntimeError(f"mooncake_master did not start on {self.address}") from None
                 time.sleep(0.05)
+
+    def restart(self, timeout: float = 20.0) -> None:
+        """Start a new master on the same ports (after `kill`): as an operator's restart would. It
+        starts empty: Mooncake's master keeps no keys across a restart."""
+        self.kill()
+        self.process = self._start(timeout)
 
     @staticmethod
     def binary() -> str:

@@ -1,0 +1,105 @@
+"""The remote layer survives store outages: a master SIGKILLed and restarted on the same port, or
+hung (SIGSTOP), never fails a call in degrade mode, never makes one wait longer than
+`remote_timeout_s`, and publishes and pulls resume by themselves, without restarting anything."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from shmcache import EmbeddingCache, destroy_namespace
+from shmcache.testing import MooncakeMaster
+from tests.helpers import wait_for
+from tests.test_remote import remote_config
+from tests.workers import expected_value, fingerprint, key_of
+
+
+@pytest.fixture
+def node_b() -> Iterator[str]:
+    name = f"node-b-{uuid.uuid4().hex[:10]}"
+    yield name
+    destroy_namespace(name)
+
+
+def _available(cache: EmbeddingCache) -> bool:
+    bridge = cache._bridge
+    return bridge is not None and bridge.store.available
+
+
+def _value(cache: EmbeddingCache, name: str) -> bytes:
+    return fingerprint(cache.get_or_compute(key_of(name), lambda: expected_value(name)))
+
+
+def test_a_master_restarted_on_its_port_brings_publishes_and_pulls_back(
+    shmcache_mooncake: MooncakeMaster, shmcache_namespace: str, node_b: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    config_a = remote_config(shmcache_namespace, shmcache_mooncake.address)
+    config_b = dataclasses.replace(config_a, namespace=node_b)
+    with (
+        caplog.at_level(logging.WARNING, logger="shmcache"),
+        EmbeddingCache(config_a) as a,
+        EmbeddingCache(config_b) as b,
+    ):
+        assert _value(a, "before") == fingerprint(expected_value("before"))
+        wait_for(lambda: a.stats()["remote_publishes"] == 1, what="the first publish")
+        shmcache_mooncake.kill()
+        # the outage: every call answers, every value is right, nothing raises
+        for name in ("before", "during"):
+            assert _value(a, name) == _value(b, name) == fingerprint(expected_value(name))
+        assert not _available(a) and not _available(b)
+        shmcache_mooncake.restart()  # an empty master on the same port
+        wait_for(
+            lambda: _available(a) and _available(b), timeout=30, what="both nodes to see the master again"
+        )
+        assert _value(a, "after") == fingerprint(expected_value("after"))
+        wait_for(lambda: a.stats()["remote_publishes"] >= 2, timeout=30, what="publishes to resume")
+        b.get_or_compute(key_of("after"), lambda: pytest.fail("node B computed what node A published"))
+        assert b.stats()["hits_remote"] == 1  # pulls resumed too
+        assert a.stats()["remote_outages"] == 1 and b.stats()["remote_outages"] == 1
+    unavailable = [r for r in caplog.records if "unavailable, node-local only" in r.message]
+    back = [r for r in caplog.records if "answers again after" in r.message]
+    assert len(unavailable) == 2 and len(back) == 2  # one warning per outage and process, one notice
+
+
+def test_a_hung_master_costs_one_bounded_wait_then_none(
+    shmcache_mooncake: MooncakeMaster, shmcache_namespace: str
+) -> None:
+    config = remote_config(shmcache_namespace, shmcache_mooncake.address, remote_timeout_s=0.5)
+    with EmbeddingCache(config) as cache:
+        assert _value(cache, "warm") == fingerprint(expected_value("warm"))
+        os.kill(shmcache_mooncake.process.pid, signal.SIGSTOP)  # answers nothing; Mooncake's RPCs wait 30 s
+        try:
+            started = time.monotonic()
+            assert _value(cache, "first") == fingerprint(expected_value("first"))  # its pull timed out
+            first = time.monotonic() - started
+            started = time.monotonic()
+            for i in range(5):
+                assert _value(cache, f"next-{i}") == fingerprint(expected_value(f"next-{i}"))
+            after = time.monotonic() - started
+        finally:
+            os.kill(shmcache_mooncake.process.pid, signal.SIGCONT)
+        assert first < 10, first  # bounded by remote_timeout_s, not by Mooncake's 30 s
+        assert after < 10, after  # during the outage no call asks the store
+        assert cache.stats()["remote_outages"] == 1
+        wait_for(lambda: _available(cache), timeout=30, what="the master to be seen again")
+
+
+def test_a_master_down_at_open_is_picked_up_when_it_starts(shmcache_namespace: str) -> None:
+    master = MooncakeMaster()
+    master.kill()  # its port is known and free: an operator starts the master later
+    try:
+        with EmbeddingCache(remote_config(shmcache_namespace, master.address)) as cache:
+            assert _value(cache, "x") == fingerprint(expected_value("x"))  # node-local meanwhile
+            master.restart()
+            wait_for(lambda: _available(cache), timeout=30, what="the late master to be picked up")
+            assert _value(cache, "y") == fingerprint(expected_value("y"))
+            wait_for(lambda: cache.stats()["remote_publishes"] >= 1, timeout=30, what="a publish")
+    finally:
+        master.kill()
