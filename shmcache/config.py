@@ -70,6 +70,7 @@ class CacheConfig:
     remote_key_prefix: str = "shmcache"
     remote_publish_queue: int = 64
     remote_timeout_s: float = 2.0
+    remote_holder: str | None = None
     store_unavailable_mode: Literal["degrade", "strict"] = "degrade"
     gpu_reads: Literal["auto", "host"] = "auto"
     gpu_export_bytes: int = 4 << 30
@@ -108,9 +109,9 @@ class CacheConfig:
     def _check_remote(self) -> None:
         """The Mooncake settings (validated even when no remote store is configured)."""
         _require(1 <= self.remote_publish_queue <= 1 << 20, "remote_publish_queue must be in 1..1048576")
-        _require(
-            self.remote_master is None or ":" in self.remote_master, "remote_master must be HOST:PORT or None"
-        )
+        for name in ("remote_master", "remote_holder"):
+            address = getattr(self, name)
+            _require(address is None or ":" in address, f"{name} must be HOST:PORT or None")
         for name in ("remote_segment_bytes", "remote_buffer_bytes"):
             _require(0 <= getattr(self, name) <= MAX_REMOTE_BYTES, f"{name} must be in 0..256 TiB")
         _require("@" not in self.remote_key_prefix, "remote_key_prefix must not contain '@'")

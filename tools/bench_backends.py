@@ -107,7 +107,6 @@ class MooncakeAlone(Client):
             ),
             lambda counter, n: None,
         )
-        self.buffer = np.empty(0, dtype=np.uint8)
         self.prefix = "bench-mooncake-alone"
         self.stored = 0
 
@@ -117,11 +116,9 @@ class MooncakeAlone(Client):
         name = f"{self.prefix}@{index}"
         size = self.store.size_of(name)
         if size is not None:
-            if self.buffer.nbytes < size:
-                self.buffer = np.empty(size, dtype=np.uint8)
-                self.store.register(self.buffer.ctypes.data, self.buffer.nbytes)
-            if self.store.get_into(name, self.buffer.ctypes.data, size):
-                return torch.from_numpy(self.buffer[:size].copy().view(np.float32)).reshape(-1, WIDTH), False
+            fetched = self.store.fetch(name, size)
+            if fetched is not None:
+                return torch.from_numpy(fetched.copy().view(np.float32)).reshape(-1, WIDTH), False
         value = compute()
         array = value.numpy()
         self.store.register(array.ctypes.data, array.nbytes)

@@ -1,4 +1,4 @@
-"""The `shmcache` command: `demo`, `hold`, `inspect`, `omni-deploy` (and `python -m shmcache`)."""
+"""The `shmcache` command: demo, hold, inspect, omni-deploy, remote-holder (and `python -m shmcache`)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ commands:
   inspect   what this node's caches hold and who holds it (the same as `shmcache-inspect`)
   hold      keep a namespace alive while engines come and go (see `shmcache hold --help`)
   omni-deploy  turn a vLLM-Omni deploy YAML's embedding_cache: blocks into engine arguments
+  remote-holder  run the node's Mooncake client, which keeps published copies past workers
 """
 
 
@@ -34,6 +35,10 @@ def main(argv: list[str] | None = None) -> int:
         from shmcache.integrations.vllm_omni.deploy import main as omni_deploy
 
         return omni_deploy(rest)
+    if command == "remote-holder":
+        from shmcache.remote.holder import main as remote_holder
+
+        return remote_holder(rest)
     if command == "inspect":
         from shmcache.ops.inspect import main as inspect
 

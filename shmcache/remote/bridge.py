@@ -43,9 +43,7 @@ class RemoteBridge:
         self._arena_address = int(address.ctypes.data)
         store.register(self._arena_address, address.nbytes)
         del address
-        self._staging: np.ndarray | None = None
-        self._lock = threading.Lock()
-        self._poisoned: list[np.ndarray] = []  # staging buffers a failed transfer may still write into
+        self._lock = threading.Lock()  # one pull at a time: they share the store's pull buffer
 
     @classmethod
     def open(cls, config: CacheConfig, node: NodeIndex, arena: mmap.mmap, views: Views) -> RemoteBridge:
@@ -72,7 +70,7 @@ class RemoteBridge:
             node.count(Counter.REMOTE_REJECTED)
             return None
         with self._lock:
-            staging = self._fetch(name, size)
+            staging = self.store.fetch(name, size)
             if staging is None:
                 return None
             try:
@@ -84,18 +82,6 @@ class RemoteBridge:
             value = self._seal(reservation, staging)
         node.count(Counter.HITS_REMOTE)
         return value
-
-    def _fetch(self, name: str, size: int) -> np.ndarray | None:
-        """`size` bytes of `name` in the staging buffer (grown and registered as needed)."""
-        staging = self._staging
-        if staging is None or staging.nbytes < size:
-            staging = self._staging = np.empty(max(size, 1 << 20), dtype=np.uint8)
-            self.store.register(staging.ctypes.data, staging.nbytes)
-        if not self.store.get_into(name, staging.ctypes.data, size):
-            self._poisoned.append(staging)  # a late write may still land there: never reuse it
-            self._staging = None
-            return None
-        return staging[:size]
 
     def _seal(self, reservation: Reservation, data: np.ndarray) -> Value:
         """Seal a verified pulled entry under `reservation` and deliver it; a private copy when

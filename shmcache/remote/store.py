@@ -1,11 +1,10 @@
 """The remote layer: Mooncake Store behind the node layer (pull once per node, publish async).
 
-Who mounts the Mooncake segment: each process that opens a cache with `remote_master` set runs its
-own Mooncake client and mounts a segment of `remote_segment_bytes`; what it publishes lives there.
-Killing a worker therefore never loses node-local data (that is in the node layer), but the remote
-copies it published disappear about `client_ttl` (10 s) after its death; other nodes then miss and
-recompute once. A deployment that wants remote copies to outlive workers runs a long-lived per-node
-`mooncake_client` (see ../shared/MOONCAKE.md); that mode is not implemented yet.
+Who mounts the Mooncake segment: with `remote_holder`, the node's long-lived `mooncake_client`
+(`holder.py`), and this process is a thin client of it (`setup_dummy`): what it publishes outlives
+it. Without, this process mounts a segment of `remote_segment_bytes` itself, and the remote copies
+it published disappear about `client_ttl` (10 s) after its death (node-local data is never lost:
+that is in the node layer).
 
 TTL policy (the RFC's open question 3): the local `ttl_s` governs node copies only. Remote copies
 get no TTL of ours: Mooncake's own LRU eviction (at its high watermark) and the mounting client's
@@ -22,6 +21,7 @@ Loopback only in tests: P2PHANDSHAKE metadata, `MC_TCP_BIND_ADDRESS=127.0.0.1`.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import socket
@@ -31,11 +31,14 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
+import numpy as np
+
 from shmcache.config import CacheConfig
 from shmcache.errors import InvalidConfig, RemoteUnavailable
 from shmcache.keys.key import KEY_SCHEMA_VERSION, EmbeddingCacheKey
 from shmcache.node.layout import Counter
 from shmcache.remote.health import Health
+from shmcache.remote.staging import Staging
 
 __all__ = ["RemoteStore", "free_port", "remote_key"]
 
@@ -45,6 +48,8 @@ log = logging.getLogger("shmcache")
 NOT_AVAILABLE = {-200, -704, -706, -707, -800, -900, -901}
 MASTER_GONE = {-900, -901}  # RPC_FAIL, RPC timeout: an outage begins
 OBJECT_NOT_FOUND = -704
+_PROBE_BUFFER = 1 << 20  # a thin client's local buffer: the recovery probe's 1-byte put
+_TOO_LARGE = 1  # not a Mooncake code: a value larger than the thin client's publish buffer
 PROBE_KEY = "shmcache@probe"  # the recovery probe's 1-byte value (first writer wins: never rewritten)
 
 
@@ -76,7 +81,9 @@ class RemoteStore:
         self.master = master = config.remote_master
         self._count, self._timeout = count, config.remote_timeout_s
         self._setup_args = (config.remote_protocol, config.remote_segment_bytes, config.remote_buffer_bytes)
+        self._holder = config.remote_holder
         self._client: Any = None
+        self.staging: Staging | None = None
         self._warned_full = False
         self._registered: set[tuple[int, int]] = set()
         self._slots = threading.BoundedSemaphore(config.remote_publish_queue)
@@ -99,12 +106,17 @@ class RemoteStore:
             return f"the mooncake package is not importable ({exc})"
         client = MooncakeDistributedStore()
         protocol, segment_bytes, buffer_bytes = self._setup_args
-        rc = client.setup(
-            f"127.0.0.1:{free_port()}", "P2PHANDSHAKE", segment_bytes, buffer_bytes, protocol, "", self.master
-        )
-        if rc != 0 or client.health_check() != 0:
+        if self._holder is not None:  # a thin client of the node's mooncake_client
+            rc = client.setup_dummy(buffer_bytes, _PROBE_BUFFER, self._holder)
+            target = f"the node's Mooncake client {self._holder}"
+        else:
+            host = f"127.0.0.1:{free_port()}"
+            rc = client.setup(host, "P2PHANDSHAKE", segment_bytes, buffer_bytes, protocol, "", self.master)
+            target = f"Mooncake master {self.master}"
+        if rc != 0 or (self._holder is None and client.health_check() != 0):  # a thin client has none
             client.close()
-            return f"Mooncake master {self.master} is unreachable (setup rc {rc})"
+            return f"{target} is unreachable (setup rc {rc})"
+        self.staging = Staging(client, pooled=self._holder is not None, pool_bytes=buffer_bytes)
         self._client = client
         return None
 
@@ -144,10 +156,11 @@ class RemoteStore:
         return rc
 
     def register(self, address: int, nbytes: int) -> None:
-        """Register node memory for zero-copy transfers (once per range)."""
+        """Register node memory for zero-copy transfers (once per range; a thin client cannot)."""
         client = self._client
         if (
             client is not None
+            and not self._holder
             and (address, nbytes) not in self._registered
             and client.register_buffer(address, nbytes) == 0
         ):
@@ -164,17 +177,24 @@ class RemoteStore:
             return None
         return size
 
-    def get_into(self, name: str, address: int, nbytes: int) -> bool:
-        """Copy `name` into [address, address + nbytes); False on any failure (then the transfer
-        may still be writing there: the caller must not reuse that memory)."""
-        if not self.available:
-            return False
-        rc = self._call("get_into", name, address, nbytes)
-        if rc != nbytes:
-            if rc is not None and rc not in NOT_AVAILABLE:
+    def fetch(self, name: str, size: int) -> np.ndarray | None:
+        """The `size` stored bytes of `name`, in this client's pull buffer (valid until the next
+        fetch); None on any failure."""
+        staging = self.staging
+        if not self.available or staging is None:
+            return None
+        buffer = staging.pull_buffer(size)
+        if buffer is None:
+            self._count(Counter.REMOTE_ERRORS, 1)
+            return None
+        rc = self._call("get_into", name, int(buffer.ctypes.data), size)
+        if rc == size:
+            return buffer[:size]
+        if rc not in NOT_AVAILABLE:  # a transfer that failed or timed out may still write there
+            staging.poison()
+            if rc is not None:
                 self._count(Counter.REMOTE_ERRORS, 1)
-            return False
-        return True
+        return None
 
     def publish(self, name: str, address: int, nbytes: int, done: Callable[[], None]) -> bool:
         """Queue `put_from(name, address, nbytes)`; `done()` runs after it (success or not).
@@ -204,9 +224,11 @@ class RemoteStore:
             client = self._client
             if client is None or not self.health.up:
                 return
-            rc = client.put_from(name, address, nbytes)
+            rc = self._put_from(client, name, address, nbytes)
             if rc == 0:
                 self._count(Counter.REMOTE_PUBLISHES, 1)
+            elif rc == _TOO_LARGE:
+                pass  # counted as a drop
             elif rc in MASTER_GONE:
                 self.health.down(f"Mooncake master {self.master} stopped answering (rc {rc})")
             else:
@@ -217,6 +239,21 @@ class RemoteStore:
         finally:
             self._slots.release()
             done()
+
+    def _put_from(self, client: Any, name: str, address: int, nbytes: int) -> int:
+        """`put_from` of [address, address + nbytes): straight from the arena with our own
+        segment, through the pool's publish buffer as a thin client."""
+        staging = self.staging
+        if staging is None or not staging.pooled:
+            return int(client.put_from(name, address, nbytes))
+        with staging.publish_lock:
+            buffer = staging.publish_buffer(nbytes)
+            if buffer is None:
+                self._count(Counter.REMOTE_PUBLISH_DROPS, 1)
+                log.debug("shmcache: %s is larger than the publish buffer, not published", name)
+                return _TOO_LARGE
+            ctypes.memmove(int(buffer.ctypes.data), address, nbytes)
+            return int(client.put_from(name, int(buffer.ctypes.data), nbytes))
 
     def close(self) -> None:
         """Stop probing, finish queued publishes, then disconnect."""

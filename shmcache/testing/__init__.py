@@ -8,7 +8,7 @@ from shmcache.testing.crashes import (
     crash_holding_view,
     crash_while_computing,
 )
-from shmcache.testing.mooncake import MooncakeMaster
+from shmcache.testing.mooncake import MooncakeHolder, MooncakeMaster
 from shmcache.testing.pool import (
     ProcessPool,
     RemoteTraceback,
@@ -23,6 +23,7 @@ from shmcache.testing.samples import SAMPLE_PREPROCESSING, sample_cache_config, 
 __all__ = [
     "POINTS",
     "SAMPLE_PREPROCESSING",
+    "MooncakeHolder",
     "MooncakeMaster",
     "ProcessPool",
     "RemoteTraceback",

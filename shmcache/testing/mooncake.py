@@ -15,7 +15,7 @@ import time
 
 from shmcache.remote.store import free_port
 
-__all__ = ["MooncakeMaster"]
+__all__ = ["MooncakeHolder", "MooncakeMaster"]
 
 
 class MooncakeMaster:
@@ -80,6 +80,38 @@ class MooncakeMaster:
 
     def kill(self) -> None:
         """SIGKILL the master (as a crash would) and reap it."""
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(10)
+
+
+class MooncakeHolder:
+    """A real node store holder (`mooncake_client`, as `shmcache remote-holder` runs it) on a free
+    127.0.0.1 port, mounting `segment` of the store of `master`."""
+
+    def __init__(self, master: MooncakeMaster, segment: str = "128 MB", timeout: float = 20.0) -> None:
+        from shmcache.remote.holder import holder_command
+
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        env = {**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
+        command = holder_command(master.address, port=self.port, segment=segment)
+        self.process = subprocess.Popen(
+            command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env
+        )
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                    return
+            except OSError:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    self.kill()
+                    raise RuntimeError(f"mooncake_client did not start on {self.address}") from None
+                time.sleep(0.05)
+
+    def kill(self) -> None:
+        """SIGKILL the holder and reap it."""
         if self.process.poll() is None:
             self.process.kill()
         self.process.wait(10)

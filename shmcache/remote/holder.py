@@ -1,0 +1,57 @@
+"""The node's store holder: Mooncake's own standalone client (`mooncake_client`), which mounts the
+node's segment and outlives the workers; workers attach to it as thin clients
+(`remote_holder="127.0.0.1:PORT"`), so what they publish stays in the store after they exit.
+
+    shmcache remote-holder --master 127.0.0.1:50051 [--port 50052] [--segment "4 GB"]
+
+runs it in the foreground, bound to 127.0.0.1 with P2PHANDSHAKE metadata (loopback only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+
+__all__ = ["holder_command", "main"]
+
+
+def _program() -> str:
+    found = shutil.which("mooncake_client")
+    return found or os.path.join(os.path.dirname(sys.executable), "mooncake_client")
+
+
+def holder_command(master: str, *, port: int = 50052, segment: str = "4 GB", threads: int = 2) -> list[str]:
+    """The `mooncake_client` command line of a loopback-only holder of a `segment` sized segment."""
+    return [
+        _program(),
+        "--host=127.0.0.1",
+        f"--port={port}",
+        "--metadata_server=P2PHANDSHAKE",
+        f"--master_server_address={master}",
+        f"--global_segment_size={segment}",
+        "--protocol=tcp",
+        f"--threads={threads}",
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="shmcache remote-holder",
+        description="Run the node's Mooncake client (mooncake_client), which holds the node's "
+        "segment: copies published by workers attached to it outlive them.",
+    )
+    parser.add_argument("--master", required=True, help="the Mooncake master, HOST:PORT")
+    parser.add_argument("--port", type=int, default=50052, help="the port workers attach to (remote_holder)")
+    parser.add_argument("--segment", default="4 GB", help='the segment it mounts, e.g. "4 GB"')
+    args = parser.parse_args(argv)
+    command = holder_command(args.master, port=args.port, segment=args.segment)
+    if not os.access(command[0], os.X_OK):
+        print(
+            "shmcache remote-holder: mooncake_client is not installed (pip install 'shmcache[mooncake]')",
+            file=sys.stderr,
+        )
+        return 1
+    os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    os.execv(command[0], command)

@@ -1,0 +1,75 @@
+"""The memory remote transfers land in or leave from, in each way of connecting to Mooncake.
+
+- **Own segment** (`setup`): a pull lands in a registered numpy array and is copied into the
+  arena after verification; a publish is zero-copy from the arena (registered once).
+- **Thin client of the node's holder** (`setup_dummy`, `remote_holder`): Mooncake moves data only
+  through the holder's shared memory pool (`alloc_from_mem_pool` + `register_buffer`; registering
+  other memory fails), so both directions pass through pool buffers: half of
+  `remote_buffer_bytes` for pulls, half for publishes (one publish at a time). Values larger
+  than a half do not cross nodes in this mode (counted as drops / misses).
+
+A failed or timed-out transfer may still write into its buffer after the call returned: that
+buffer is never used again (numpy arrays are kept alive and replaced; pool memory is left
+allocated, and a thin client then pulls no more until it restarts: counted as remote errors).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Staging"]
+
+
+class Staging:
+    """Pull and publish buffers of one Mooncake client."""
+
+    def __init__(self, client: Any, *, pooled: bool, pool_bytes: int) -> None:
+        self._client, self.pooled, self._half = client, pooled, pool_bytes // 2
+        self._pull_room = True  # pooled: may the pull half still be allocated
+        self._pull: np.ndarray | None = None
+        self._publish: np.ndarray | None = None
+        self._poisoned: list[np.ndarray] = []
+        self.publish_lock = threading.Lock()
+
+    def _pool_array(self, nbytes: int) -> np.ndarray | None:
+        """`nbytes` of the holder's pool, registered; None when the pool has no room left."""
+        address = self._client.alloc_from_mem_pool(nbytes)
+        if not address or self._client.register_buffer(address, nbytes) != 0:
+            return None
+        pool: Any = (ctypes.c_uint8 * nbytes).from_address(address)
+        array: np.ndarray = np.frombuffer(pool, dtype=np.uint8)
+        return array
+
+    def pull_buffer(self, size: int) -> np.ndarray | None:
+        """A registered buffer of at least `size` bytes for `get_into`; None if none can hold it."""
+        buffer = self._pull
+        if buffer is not None and buffer.nbytes >= size:
+            return buffer
+        if self.pooled:
+            if buffer is not None or size > self._half or not self._pull_room:
+                return None  # too large for the pull half, or that half was poisoned
+            self._pull_room = False
+            buffer = self._pool_array(self._half)
+        else:
+            buffer = np.empty(max(size, 1 << 20), dtype=np.uint8)
+            if self._client.register_buffer(buffer.ctypes.data, buffer.nbytes) != 0:
+                return None
+        self._pull = buffer
+        return buffer
+
+    def poison(self) -> None:
+        """The pull buffer saw a failed transfer: never hand it out again."""
+        if self._pull is not None:
+            self._poisoned.append(self._pull)
+            self._pull = None  # pooled: the pool has no second pull half; pulls end for this process
+
+    def publish_buffer(self, size: int) -> np.ndarray | None:
+        """Pooled mode: the buffer a publish copies its entry into (hold `publish_lock`)."""
+        if self._publish is None and self._half:
+            self._publish = self._pool_array(self._half)
+        buffer = self._publish
+        return buffer if buffer is not None and buffer.nbytes >= size else None
