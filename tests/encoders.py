@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 import torch
 
@@ -83,32 +83,28 @@ def batch(name: str, seeds: list[int]) -> tuple[tuple[Any, ...], dict[str, Any]]
     return (torch.cat(rows),), {"grid_thw": torch.tensor(grids)}
 
 
+_TINY_VISION: Final = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "image_size": 32,
+    "patch_size": 8,
+}
+
+
 def _clip() -> Encoder:
     from transformers import CLIPVisionConfig, CLIPVisionModel
 
-    config = CLIPVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        image_size=32,
-        patch_size=8,
-    )
-    return Encoder("clip", CLIPVisionModel(config).eval(), BatchedItems(), "image")
+    model = CLIPVisionModel(CLIPVisionConfig(**_TINY_VISION))
+    return Encoder("clip", model.eval(), BatchedItems(), "image")
 
 
 def _siglip() -> Encoder:
     from transformers import SiglipVisionConfig, SiglipVisionModel
 
-    config = SiglipVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        image_size=32,
-        patch_size=8,
-    )
-    return Encoder("siglip", SiglipVisionModel(config).eval(), BatchedItems(), "image")
+    model = SiglipVisionModel(SiglipVisionConfig(**_TINY_VISION))
+    return Encoder("siglip", model.eval(), BatchedItems(), "image")
 
 
 def _whisper() -> Encoder:

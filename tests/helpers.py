@@ -15,6 +15,7 @@ from shmcache.testing import kernel_objects
 
 __all__ = [
     "arena_page",
+    "inspect_show",
     "file_offset",
     "kernel_objects",
     "kill",
@@ -82,3 +83,19 @@ def arena_page(shared: Any, offset: int) -> int:
     array over it), read first so that the page is mapped in this process."""
     int(shared[offset])
     return physical_page(shared.ctypes.data + offset)
+
+
+def inspect_show(namespace: str) -> dict[str, Any]:
+    """`shmcache inspect show NAMESPACE --json`, run as an operator would (another process)."""
+    import json
+    import subprocess
+    import sys
+
+    shown = subprocess.run(
+        [sys.executable, "-m", "shmcache", "inspect", "show", namespace, "--json"],
+        capture_output=True,
+        check=True,
+        text=True,
+    )
+    snapshot: dict[str, Any] = json.loads(shown.stdout)
+    return snapshot

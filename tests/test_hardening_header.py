@@ -22,7 +22,7 @@ from shmcache import CacheConfig, EmbeddingCache
 from shmcache.errors import CapacityError, CorruptSegment, LayoutMismatch
 from shmcache.kernel.lockfile import bootstrap_lock
 from shmcache.kernel.namespace import create, object_names
-from shmcache.node.layout import Header
+from shmcache.node.layout import LAYOUT_VERSION, Header
 from shmcache.testing import kernel_objects, namespace_objects, sample_cache_config
 from tests.helpers import kill, spawn
 from tests.workers import expected_value, fingerprint, key_of
@@ -172,7 +172,7 @@ def test_the_version_field_is_a_layout_mismatch(config: CacheConfig) -> None:
             with pytest.raises(LayoutMismatch, match="layout version 99"):
                 EmbeddingCache(config)
         finally:
-            index[8:12] = struct.pack("<I", 2)
+            index[8:12] = struct.pack("<I", LAYOUT_VERSION)
         commands.put("after-version")
         assert results.get(timeout=60) == ("checked", [], True)
 

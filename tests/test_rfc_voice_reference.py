@@ -6,9 +6,6 @@ pressure from another process, and is released by the end of the request."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -17,7 +14,7 @@ import torch
 
 from shmcache import CacheConfig, EmbeddingCache, EmbeddingCacheKey
 from shmcache.testing import sample_preprocessing
-from tests.helpers import spawn, wait_for
+from tests.helpers import inspect_show, spawn, wait_for
 
 VOICE = torch.arange(64 * 1024, dtype=torch.int32).to(torch.uint8)  # 64 KiB of codec features
 TOKENS = [[101, 7, 7, 42], [9, 9, 13], [5, 81]]  # the reference audio's codec-token blocks
@@ -47,15 +44,9 @@ def fill(config: CacheConfig, count: int, done: str) -> None:
 
 
 def _voice_entry(namespace: str) -> dict[str, Any]:
-    shown = subprocess.run(
-        [sys.executable, "-m", "shmcache", "inspect", "show", namespace, "--json"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
     entries = [
-        e for e in json.loads(shown.stdout)["entries"] if e["key"] == voice_key().hex[:16]
-    ]  # shown as 16 hex digits
+        e for e in inspect_show(namespace)["entries"] if e["key"] == voice_key().hex[:16]
+    ]  # 16 hex digits
     assert len(entries) == 1, entries
     entry: dict[str, Any] = entries[0]
     return entry

@@ -6,8 +6,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -21,7 +19,7 @@ pytest.importorskip("vllm", reason="the vllm extra is not installed")
 from shmcache import CacheConfig, EmbeddingCache, destroy_namespace
 from shmcache.integrations.vllm_omni import stage_with_embedding_cache
 from shmcache.testing import namespace_objects
-from tests.helpers import wait_for
+from tests.helpers import inspect_show, wait_for
 from tests.vllm.engine import EngineProcess, EngineResult, EngineRun, ImageRequest, spawn_engine
 from tests.vllm.model import build_tiny_llava
 
@@ -56,17 +54,6 @@ def _tokens(result: EngineResult) -> list[tuple[list[int], list[float]]]:
     return [(r.token_ids, r.logprobs) for r in result.requests]
 
 
-def _inspect(namespace: str) -> dict[str, Any]:
-    shown = subprocess.run(
-        [sys.executable, "-m", "shmcache", "inspect", "show", namespace, "--json"],
-        capture_output=True,
-        check=True,
-        text=True,
-    )
-    data: dict[str, Any] = json.loads(shown.stdout)
-    return data
-
-
 def test_a_second_engine_loads_what_the_first_encoded(
     model: str, namespace: str, held: EmbeddingCache, tmp_path: Path
 ) -> None:
@@ -82,7 +69,7 @@ def test_a_second_engine_loads_what_the_first_encoded(
     stats = held.stats()
     assert stats["entries"] == 2 and stats["computes"] == 0 and stats["puts"] == 2
     held.gc()  # vLLM may end its worker with a signal: a dead process's pins are reaped, as gc does
-    shown = _inspect(namespace)
+    shown = inspect_show(namespace)
     assert [entry["references"] for entry in shown["entries"]] == [0, 0]  # the requests let go
     assert [client["pid"] for client in shown["clients"]] == [os.getpid()]
 
