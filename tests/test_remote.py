@@ -103,3 +103,26 @@ def test_corrupt_or_foreign_remote_values_are_rejected(
             assert stats["remote_rejected"] == 1 and stats["hits_remote"] == 0 and stats["computes"] == 1
     finally:
         writer.close()
+
+
+def test_a_requests_misses_are_pulled_in_one_batch(
+    shmcache_mooncake: MooncakeMaster, shmcache_namespace: str, other_namespace: str
+) -> None:
+    node_a = remote_config(shmcache_namespace, shmcache_mooncake.address)
+    names = [f"item-{i}" for i in range(8)] + ["large"]  # "large" is over a batch item's room
+    sizes = {name: 2000 for name in names} | {"large": 100_000}
+    with EmbeddingCache(node_a) as a:
+        for name in names:
+            a.get_or_compute(key_of(name), lambda name=name: expected_value(name, sizes[name]))
+        wait_for(lambda: a.stats()["remote_publishes"] == len(names), what="the publishes")
+        with EmbeddingCache(dataclasses.replace(node_a, namespace=other_namespace)) as b:
+            claims = b.try_reserve_many([key_of(name) for name in [*names, "nowhere"]])
+            *pulled, nowhere = claims
+            assert all(res is not None and res.value is not None for res in pulled)
+            got = [fingerprint(res.value) for res in pulled if res is not None]
+            assert got == [fingerprint(expected_value(name, sizes[name])) for name in names]
+            assert nowhere is not None and nowhere.owned  # not in the store: ours to compute
+            nowhere.abandon("test")
+            stats = b.stats()
+            assert stats["hits_remote"] == len(names) and stats["computes"] == 0
+            del claims, pulled, got

@@ -6,7 +6,9 @@ Node A (one namespace) computes and publishes an 8 MiB and a 100 MiB entry. Node
 namespace, fresh each round) gets them: a node miss, one pull from the store under the reservation,
 verification, and the copy into node memory. "raw get_into" is a bare Mooncake client reading the
 same object into registered memory. "recompute" is a CPU matmul forward with the same output size.
-Everything runs on loopback against a real mooncake_master.
+Then a request of 64 small items (4 KiB each) on a fresh node B: one `try_reserve_many` (one batch
+pull) against 64 `get_or_compute` calls (64 single pulls). Everything runs on loopback against a
+real mooncake_master.
 """
 
 from __future__ import annotations
@@ -102,10 +104,42 @@ def run(rounds: int) -> list[dict[str, float | str]]:
                     }
                 )
             raw.close()
+            rows.append(_batch(a, master.address, prefix, rounds))
     finally:
         master.kill()
         destroy_namespace(node_a.namespace)
     return rows
+
+
+BATCH = 64
+
+
+def _batch(a: EmbeddingCache, master: str, prefix: str, rounds: int) -> dict[str, float | str]:
+    """64 small items pulled by a fresh node in one batch call, and one by one."""
+    keys = [key(f"small-{i}") for i in range(BATCH)]
+    published = a.stats()["remote_publishes"]
+    for i, k in enumerate(keys):
+        a.put(k, torch.full((4096 - 256,), i % 251, dtype=torch.uint8))
+    deadline = time.monotonic() + 60
+    while a.stats()["remote_publishes"] < published + BATCH and time.monotonic() < deadline:
+        time.sleep(0.05)
+    batch_times: list[float] = []
+    single_times: list[float] = []
+    for _ in range(rounds):
+        for times, batched in ((batch_times, True), (single_times, False)):
+            node_b = _config(f"bench-b-{uuid.uuid4().hex[:6]}", master, prefix)
+            with EmbeddingCache(node_b) as b:
+                t0 = time.perf_counter()
+                if batched:
+                    got = [res.value if res is not None else None for res in b.try_reserve_many(keys)]
+                else:
+                    got = [b.get_or_compute(k, lambda: None) for k in keys]
+                times.append(time.perf_counter() - t0)
+                assert all(v is not None for v in got) and b.stats()["hits_remote"] == BATCH
+                del got
+            destroy_namespace(node_b.namespace)
+    batch_ms, single_ms = statistics.median(batch_times) * 1e3, statistics.median(single_times) * 1e3
+    return {"size": f"{BATCH} x 4 KiB", "batch_ms": batch_ms, "singles_ms": single_ms}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,11 +153,15 @@ def main(argv: list[str] | None = None) -> int:
         "| value | raw get_into | cross-node hit (pull, verify, copy, seal) | vs raw | recompute (matmul) |"
     )
     print("|---|---|---|---|---|")
-    for r in rows:
+    for r in rows[:-1]:
         print(
             f"| {r['size']} | {r['raw_get_into_ms']:.1f} ms | {r['cross_node_hit_ms']:.1f} ms "
             f"| {r['speed_vs_raw']:.2f}x | {r['recompute_ms']:.1f} ms |"
         )
+    batch = rows[-1]
+    print("\n| request | one batch pull (try_reserve_many) | single pulls (get_or_compute each) |")
+    print("|---|---|---|")
+    print(f"| {batch['size']} | {batch['batch_ms']:.1f} ms | {batch['singles_ms']:.1f} ms |")
     return 0
 
 

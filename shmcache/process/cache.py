@@ -192,25 +192,33 @@ class EmbeddingCache:
         Blocks while another thread or process holds the reservation, at most `compute_timeout_s`
         (then `ComputeTimeout`). Raises `ComputeFailed` if that holder failed.
         """
-        res = self._reserve(key, request_id, wait=True, pull=True)
-        assert res is not None
-        return res
-
-    def try_reserve(
-        self, key: EmbeddingCacheKey, request_id: RequestId | None = None, *, pull: bool = False
-    ) -> Reservation | None:
-        """`reserve` without waiting: None while another thread or process computes `key`. A
-        remote pull only with `pull=True` (the computer's business, not a scheduler's)."""
-        return self._reserve(key, request_id, wait=False, pull=pull)
-
-    def _reserve(
-        self, key: EmbeddingCacheKey, request_id: RequestId | None, *, wait: bool, pull: bool
-    ) -> Reservation | None:
         if not self._enabled:
             return Reservation(None, key, request_id)
         arguments.check_request(request_id)
         self._index()
-        return self._claims.claim(key, self._needle(key), request_id, wait=wait, pull=pull)
+        res = self._claims.claim(key, self._needle(key), request_id, wait=True, pull=True)
+        assert res is not None
+        return res
+
+    def try_reserve(self, key: EmbeddingCacheKey, request_id: RequestId | None = None) -> Reservation | None:
+        """`reserve` without waiting: None while another thread or process computes `key`. No
+        remote pull happens here (a scheduler calls this; the pull is the computer's business)."""
+        if not self._enabled:
+            return Reservation(None, key, request_id)
+        arguments.check_request(request_id)
+        self._index()
+        return self._claims.claim(key, self._needle(key), request_id, wait=False)
+
+    def try_reserve_many(
+        self, keys: Sequence[EmbeddingCacheKey], request_id: RequestId | None = None
+    ) -> list[Reservation | None]:
+        """`try_reserve` of a request's items, for the process that computes them: the node
+        misses it reserves are pulled from the remote store in one batch call."""
+        if not self._enabled:
+            return [Reservation(None, key, request_id) for key in keys]
+        arguments.check_request(request_id)
+        self._index()
+        return self._claims.claim_many(keys, [self._needle(key) for key in keys], request_id)
 
     def adopt(
         self, ticket: ReservationTicket, key: EmbeddingCacheKey, request_id: RequestId | None = None
@@ -238,12 +246,8 @@ class EmbeddingCache:
         if not self._enabled:
             return False
         arguments.check_request(request_id)
-        node = self._index()
-        sealed = node.lookup(self._needle(key), pins=1)
-        if sealed is None:
-            return False
-        self._requests.add(request_id, sealed.slot, sealed.gen)
-        return True
+        self._index()
+        return self._views.hold(self._needle(key), request_id)
 
     def request(self, request_id: RequestId) -> contextlib.AbstractContextManager[None]:
         """Make `request_id` the request in scope of the calls made inside the block (encoder

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import mmap
 import time
+from collections.abc import Sequence
 from typing import Final
 
 from shmcache.config import CacheConfig
@@ -95,6 +96,29 @@ class Claims:
                 waited = True
             if self._wait(key, claim.slot, deadline) and self._failed_uncacheable(key, claim.slot, claim.gen):
                 return Reservation(self, key, request_id)
+
+    def claim_many(
+        self, keys: Sequence[EmbeddingCacheKey], needles: Sequence[bytes], request_id: RequestId | None
+    ) -> list[Reservation | None]:
+        """`claim` of every key without waiting; then the node misses we own are pulled from the
+        remote store in one batch (under their reservations)."""
+        claims = [
+            self.claim(key, needle, request_id, wait=False) for key, needle in zip(keys, needles, strict=True)
+        ]
+        owned = {i: res for i, res in enumerate(claims) if res is not None and res.owned}
+        if self.bridge is None or not owned:
+            return claims
+        try:
+            pulled = self.bridge.pull_many(list(owned.values()))
+        except BaseException:
+            for res in owned.values():
+                if res.owned:
+                    res.abandon("pulling from the remote store failed")
+            raise
+        for i, value in zip(owned, pulled, strict=True):
+            if value is not None:
+                claims[i] = Reservation(None, keys[i], request_id, value=value)
+        return claims
 
     def _pulled(self, res: Reservation) -> Reservation:
         """Our reservation of a node miss, or the value the remote store had for it (one pull

@@ -98,6 +98,14 @@ class Views:
         node.count(Counter.HITS_NODE)
         return self.deliver(key, needle, sealed, request_id)
 
+    def hold(self, needle: bytes, request_id: RequestId) -> bool:
+        """Reference the sealed entry of `needle` for `request_id`, without a view; False if none."""
+        sealed = self._node.lookup(needle, pins=1)
+        if sealed is None:
+            return False
+        self._requests.add(request_id, sealed.slot, sealed.gen)
+        return True
+
     def deliver(
         self, key: EmbeddingCacheKey, needle: bytes, sealed: SealedEntry, request_id: RequestId | None
     ) -> Value | None:

@@ -3,8 +3,9 @@
 A pull runs under the node reservation (N processes of a node that miss together cause one pull).
 The transfer lands in a private staging buffer first (Mooncake may still write into memory after a
 failed or timed-out call, which must never be arena memory that others read), is verified (entry
-header and value format), then sealed through the node's one commit transaction. A publish pins
-the entry until the store has read it, and never blocks (store.py's bounded queue).
+header and value format), then sealed through the node's one commit transaction. Many misses of
+one request are pulled in one `batch_get_into` (`pull_many`). A publish pins the entry until the
+store has read it, and never blocks (store.py's bounded queue).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import logging
 import mmap
 import threading
+from collections.abc import Sequence
+from typing import Final
 
 import numpy as np
 
@@ -27,7 +30,10 @@ from shmcache.process.reservation import Reservation
 from shmcache.process.views import Views
 from shmcache.remote.store import RemoteStore, remote_key
 
-__all__ = ["RemoteBridge"]
+__all__ = ["BATCH_ITEM_BYTES", "RemoteBridge"]
+
+BATCH_ITEM_BYTES: Final = 64 << 10  # a batch pull gives each item this much room (measured: 66
+# items of 4 KiB in 5-8 ms with 64 KiB each, 150 ms with 1 MiB each; alone: 30-54 ms + sizes)
 
 log = logging.getLogger("shmcache")
 
@@ -61,25 +67,48 @@ class RemoteBridge:
         it; the value, or None on any miss (the reservation is then still ours)."""
         if not self.store.available:
             return None
-        node, key = self._node, reservation.key
-        name = remote_key(self._prefix, key)
+        name = remote_key(self._prefix, reservation.key)
         size = self.store.size_of(name)
         if size is None:
             return None
-        if size <= entry.ENTRY_HEADER_SIZE or size > node.capacity:
-            node.count(Counter.REMOTE_REJECTED)
+        if size <= entry.ENTRY_HEADER_SIZE or size > self._node.capacity:
+            self._node.count(Counter.REMOTE_REJECTED)
             return None
         with self._lock:
-            staging = self.store.fetch(name, size)
-            if staging is None:
-                return None
-            try:
-                decode.parse(entry.verify(staging.data, key, None))
-            except CorruptValue as exc:
-                node.count(Counter.REMOTE_REJECTED)
-                log.warning("shmcache: rejected remote value %s: %s", name, str(exc))  # not exc: frames
-                return None
-            value = self._seal(reservation, staging)
+            return self._settle(reservation, name, self.store.fetch(name, size))
+
+    def pull_many(self, reservations: Sequence[Reservation]) -> list[Value | None]:
+        """`pull` of many node misses in one batch call (each value up to `BATCH_ITEM_BYTES`;
+        larger ones are pulled alone afterwards); per reservation its value or None."""
+        if not reservations or not self.store.available:
+            return [None] * len(reservations)
+        names = [remote_key(self._prefix, res.key) for res in reservations]
+        with self._lock:
+            fetched, larger = self.store.fetch_many(names, BATCH_ITEM_BYTES)
+            values = [
+                self._settle(res, name, data)
+                for res, name, data in zip(reservations, names, fetched, strict=True)
+            ]
+        for i in larger:
+            values[i] = self.pull(reservations[i])
+        return values
+
+    def _settle(self, reservation: Reservation, name: str, data: np.ndarray | None) -> Value | None:
+        """Verify fetched bytes and seal them under `reservation` (hold the pull lock: `data` is
+        in the shared pull buffer); None for a miss or a rejected value."""
+        if data is None:
+            return None
+        node = self._node
+        if data.nbytes <= entry.ENTRY_HEADER_SIZE or data.nbytes > node.capacity:
+            node.count(Counter.REMOTE_REJECTED)
+            return None
+        try:
+            decode.parse(entry.verify(data.data, reservation.key, None))
+        except CorruptValue as exc:
+            node.count(Counter.REMOTE_REJECTED)
+            log.warning("shmcache: rejected remote value %s: %s", name, str(exc))  # not exc: frames
+            return None
+        value = self._seal(reservation, data)
         node.count(Counter.HITS_REMOTE)
         return value
 

@@ -48,6 +48,7 @@ log = logging.getLogger("shmcache")
 NOT_AVAILABLE = {-200, -704, -706, -707, -800, -900, -901}
 MASTER_GONE = {-900, -901}  # RPC_FAIL, RPC timeout: an outage begins
 OBJECT_NOT_FOUND = -704
+BUFFER_TOO_SMALL = -600
 _PROBE_BUFFER = 1 << 20  # a thin client's local buffer: the recovery probe's 1-byte put
 _TOO_LARGE = 1  # not a Mooncake code: a value larger than the thin client's publish buffer
 PROBE_KEY = "shmcache@probe"  # the recovery probe's 1-byte value (first writer wins: never rewritten)
@@ -131,29 +132,32 @@ class RemoteStore:
         if self._setup_args[2] == 0:
             rc = self._call("get_size", PROBE_KEY)
             return rc is not None and (rc >= 0 or rc == OBJECT_NOT_FOUND)
-        return self._call("put", PROBE_KEY, b"\0") == 0
+        return bool(self._call("put", PROBE_KEY, b"\0") == 0)
 
     @property
     def available(self) -> bool:
         return self.health.up and self._client is not None
 
-    def _call(self, method: str, *args: Any) -> int | None:
-        """`client.method(*args)`, waiting at most `timeout_s`; None (an outage begins) if the
-        master does not answer in time or is gone. The call itself may go on in its thread."""
+    def _call(self, method: str, *args: Any) -> Any:
+        """`client.method(*args)` (a return code, or a list of them), waiting at most `timeout_s`;
+        None (an outage begins) if the master does not answer in time or is gone. The call
+        itself may go on in its thread."""
         client = self._client
         if client is None:
             return None
         try:
-            rc = int(self._calls.submit(getattr(client, method), *args).result(self._timeout))
+            result = self._calls.submit(getattr(client, method), *args).result(self._timeout)
         except FutureTimeout:
             self.health.down(f"no answer from Mooncake master {self.master} in {self._timeout} s")
             return None
         except RuntimeError:  # the executor is shut down: closing
             return None
-        if rc in MASTER_GONE:
-            self.health.down(f"Mooncake master {self.master} stopped answering (rc {rc})")
+        codes = result if isinstance(result, list) else [result]
+        gone = next((rc for rc in codes if rc in MASTER_GONE), None)
+        if gone is not None:
+            self.health.down(f"Mooncake master {self.master} stopped answering (rc {gone})")
             return None
-        return rc
+        return result
 
     def register(self, address: int, nbytes: int) -> None:
         """Register node memory for zero-copy transfers (once per range; a thin client cannot)."""
@@ -175,7 +179,7 @@ class RemoteStore:
             if size is not None and size not in NOT_AVAILABLE:
                 self._count(Counter.REMOTE_ERRORS, 1)
             return None
-        return size
+        return int(size)
 
     def fetch(self, name: str, size: int) -> np.ndarray | None:
         """The `size` stored bytes of `name`, in this client's pull buffer (valid until the next
@@ -195,6 +199,33 @@ class RemoteStore:
             if rc is not None:
                 self._count(Counter.REMOTE_ERRORS, 1)
         return None
+
+    def fetch_many(self, names: list[str], cap: int) -> tuple[list[np.ndarray | None], list[int]]:
+        """`fetch` of many names in one `batch_get_into`, each given at most `cap` bytes: per name
+        its bytes (valid until the next fetch) or None, and the indices of the names stored with
+        more than `cap` bytes (for the caller to fetch alone)."""
+        staging = self.staging
+        found: list[np.ndarray | None] = [None] * len(names)
+        buffer = staging.pull_buffer(cap * len(names)) if staging is not None and self.available else None
+        if buffer is None:
+            return found, list(range(len(names))) if self.available else []
+        base = int(buffer.ctypes.data)
+        rcs = self._call(
+            "batch_get_into", names, [base + i * cap for i in range(len(names))], [cap] * len(names)
+        )
+        if rcs is None:
+            assert staging is not None
+            staging.poison()  # timed out: the transfers may still write there
+            return found, []
+        larger = []
+        for i, rc in enumerate(rcs):
+            if rc >= 0:
+                found[i] = buffer[i * cap : i * cap + rc]
+            elif rc == BUFFER_TOO_SMALL:
+                larger.append(i)
+            elif rc not in NOT_AVAILABLE:
+                self._count(Counter.REMOTE_ERRORS, 1)
+        return found, larger
 
     def publish(self, name: str, address: int, nbytes: int, done: Callable[[], None]) -> bool:
         """Queue `put_from(name, address, nbytes)`; `done()` runs after it (success or not).

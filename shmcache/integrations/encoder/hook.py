@@ -2,8 +2,8 @@
 
 A call is cut into items (`items.py`); every item is keyed by its input tensor and the
 encoder's `EncoderPreprocessingConfig`, and looked up in one `get_many`. The misses are
-reserved without waiting (`try_reserve(pull=True)`: a remote copy is pulled instead of
-computed); the encoder runs once on the items this process reserved (or that could not be
+reserved without waiting (`try_reserve_many`: the remote copies there are pulled in one
+batch instead of computed); the encoder runs once on the items this process reserved (or that could not be
 cached), and each output is committed, which wakes the other processes waiting for it. Items
 another process was computing are then waited for one by one, after ours are committed, so two
 processes that each reserved some items of the other's batch never wait on each other. The
@@ -100,8 +100,8 @@ class CachedEncoder:
         """Fill `outputs[i]` for every missing item: computed here, pulled, or waited for."""
         ours: dict[int, Reservation] = {}
         elsewhere = []
-        for i in missing:
-            res = self.cache.try_reserve(keys[i], request_id, pull=True)
+        claims = self.cache.try_reserve_many([keys[i] for i in missing], request_id)  # one batch pull
+        for i, res in zip(missing, claims, strict=True):
             if res is None:
                 elsewhere.append(i)
             elif res.value is not None:
