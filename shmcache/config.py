@@ -71,6 +71,7 @@ class CacheConfig:
     remote_publish_queue: int = 64
     remote_timeout_s: float = 2.0
     remote_holder: str | None = None
+    remote_single_flight: bool = True
     store_unavailable_mode: Literal["degrade", "strict"] = "degrade"
     gpu_reads: Literal["auto", "host"] = "auto"
     gpu_export_bytes: int = 4 << 30

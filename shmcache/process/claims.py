@@ -126,7 +126,7 @@ class Claims:
         if self.bridge is None:
             return res
         try:
-            pulled = self.bridge.pull(res)
+            pulled = self.bridge.pull_or_lease(res)
         except BaseException:
             res.abandon("pulling from the remote store failed")
             raise
@@ -169,7 +169,7 @@ class Claims:
         try:
             encoded = values.plan(value)
         except BaseException as exc:
-            node.abandon(slot, gen, FailureKind.FAILED, f"{type(exc).__name__}: {exc}")
+            self.abandon(reservation, f"{type(exc).__name__}: {exc}")
             raise
         exported = False
 
@@ -185,6 +185,7 @@ class Claims:
             return None if record is None else record.pack()
 
         pins = self._views.pins_for(request_id) if view else int(request_id is not None)
+        sealed = None
         try:
             sealed = node.commit(slot, gen, entry.entry_size(encoded), write, pins)
         except CapacityError:
@@ -193,6 +194,8 @@ class Claims:
         finally:
             if exported:
                 self._settle_export(slot, gen)
+            if self.bridge is not None:  # published below, or failed: another node takes over
+                self.bridge.end_lease(reservation, failed=sealed is None)
         node.count(Counter.PUTS)
         node.count(Counter.BYTES_PUT, sealed.size)
         if self.bridge is not None:
@@ -220,9 +223,13 @@ class Claims:
 
     def abandon(self, reservation: Reservation, reason: str) -> None:
         self._node.abandon(reservation.slot, reservation.gen, FailureKind.FAILED, reason)
+        if self.bridge is not None:
+            self.bridge.end_lease(reservation, failed=True)
 
     def withdraw(self, reservation: Reservation) -> None:
         self._node.abandon(reservation.slot, reservation.gen, FailureKind.NONE, "withdrawn")
+        if self.bridge is not None:
+            self.bridge.end_lease(reservation, failed=True)
 
     def ticket(self, reservation: Reservation) -> ReservationTicket:
         return ReservationTicket(

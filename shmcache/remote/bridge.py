@@ -28,6 +28,7 @@ from shmcache.node.layout import Counter, needle_of
 from shmcache.node.slots import SealedEntry
 from shmcache.process.reservation import Reservation
 from shmcache.process.views import Views
+from shmcache.remote import lease
 from shmcache.remote.store import RemoteStore, remote_key
 
 __all__ = ["BATCH_ITEM_BYTES", "RemoteBridge"]
@@ -42,7 +43,15 @@ class RemoteBridge:
     """One process's link from its node index to the remote store."""
 
     def __init__(
-        self, store: RemoteStore, node: NodeIndex, arena: mmap.mmap, views: Views, prefix: str
+        self,
+        store: RemoteStore,
+        node: NodeIndex,
+        arena: mmap.mmap,
+        views: Views,
+        prefix: str,
+        *,
+        single_flight: bool = False,
+        lease_s: float = 300.0,
     ) -> None:
         self.store, self._node, self._arena, self._views, self._prefix = store, node, arena, views, prefix
         address = np.frombuffer(arena, dtype=np.uint8)
@@ -50,13 +59,23 @@ class RemoteBridge:
         store.register(self._arena_address, address.nbytes)
         del address
         self._lock = threading.Lock()  # one pull at a time: they share the store's pull buffer
+        self._single_flight, self._lease_s = single_flight, lease_s
+        self._leases: dict[tuple[int, int], tuple[str, bytes]] = {}  # (slot, gen) -> (name, token)
 
     @classmethod
     def open(cls, config: CacheConfig, node: NodeIndex, arena: mmap.mmap, views: Views) -> RemoteBridge:
         """Connect to `config.remote_master` (`RemoteUnavailable` in strict mode if it is down)."""
         assert config.remote_master is not None
         store = RemoteStore(config, node.count)
-        return cls(store, node, arena, views, config.remote_key_prefix)
+        return cls(
+            store,
+            node,
+            arena,
+            views,
+            config.remote_key_prefix,
+            single_flight=config.remote_single_flight,
+            lease_s=config.compute_timeout_s,
+        )
 
     def close(self) -> None:
         """Finish queued publishes (they hold pins), then disconnect."""
@@ -76,6 +95,25 @@ class RemoteBridge:
             return None
         with self._lock:
             return self._settle(reservation, name, self.store.fetch(name, size))
+
+    def pull_or_lease(self, reservation: Reservation) -> Value | None:
+        """`pull`; on a miss, with cross-node single flight on, take the key's lease in the store
+        (None: we hold it and compute) or wait for the node that holds it (its value)."""
+        value = self.pull(reservation)
+        if value is not None or not self._single_flight or not self.store.available:
+            return value
+        name = remote_key(self._prefix, reservation.key)
+        token, value = lease.hold_or_wait(self.store, name, self._lease_s, lambda: self.pull(reservation))
+        if token is not None:
+            self._leases[(reservation.slot, reservation.gen)] = (name, token)
+        return value
+
+    def end_lease(self, reservation: Reservation, *, failed: bool) -> None:
+        """The reservation ended: forget its lease, and remove it if the compute failed (a
+        waiting node then takes over at once instead of at the lease's deadline)."""
+        held = self._leases.pop((reservation.slot, reservation.gen), None)
+        if held is not None and failed:
+            lease.release(self.store, *held)
 
     def pull_many(self, reservations: Sequence[Reservation]) -> list[Value | None]:
         """`pull` of many node misses in one batch call (each value up to `BATCH_ITEM_BYTES`;

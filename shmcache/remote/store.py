@@ -200,6 +200,27 @@ class RemoteStore:
                 self._count(Counter.REMOTE_ERRORS, 1)
         return None
 
+    def put_bytes(self, name: str, data: bytes) -> bool:
+        """`put` (first writer wins); False when the store does not answer."""
+        return self.available and self._call("put", name, data) == 0
+
+    def upsert_bytes(self, name: str, data: bytes) -> bool:
+        """`upsert` (overwrites); False when the store does not answer or refuses."""
+        return self.available and self._call("upsert", name, data) == 0
+
+    def get_bytes(self, name: str) -> bytes | None:
+        """A small value, or None (missing, or the store does not answer: Mooncake's `get`
+        cannot tell these apart)."""
+        if not self.available:
+            return None
+        value = self._call("get", name)
+        return bytes(value) if value else None
+
+    def remove(self, name: str) -> None:
+        """Remove `name`, read leases notwithstanding."""
+        if self.available:
+            self._call("remove", name, True)
+
     def fetch_many(self, names: list[str], cap: int) -> tuple[list[np.ndarray | None], list[int]]:
         """`fetch` of many names in one `batch_get_into`, each given at most `cap` bytes: per name
         its bytes (valid until the next fetch) or None, and the indices of the names stored with

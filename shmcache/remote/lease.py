@@ -1,0 +1,90 @@
+"""Cross-node single flight: a lease in the store per key, so that nodes that miss the same key
+together run one encoder forward between them (the RFC's "future extension"; no peer has it).
+
+The protocol rests on Mooncake's `put` never overwriting (first writer wins). A node that owns its
+node reservation of a key and found no copy in the store:
+
+1. puts `<value key>@lease` = its token (random id and deadline: now + `compute_timeout_s`) and
+   reads the lease back. Its own token: it holds the lease and computes; the value is published
+   as every computed value is, and the lease is left to expire (a waiter finds the value first).
+2. Another token: it waits, looking for the value every 50 ms (each look is a pull), until that
+   token's deadline; the node's other processes wait on its node reservation meanwhile.
+3. A deadline passed (the holder died or hangs) or a lease gone (a holder's own segment vanishes
+   ~10 s after it dies): it overwrites the lease with its own token (`upsert`) and reads it back;
+   its own token: it computes. A holder that dies mid-compute thus costs one takeover, bounded
+   by `compute_timeout_s`; two waiters taking over at once may both compute (still one per node).
+4. A holder whose compute fails removes its lease, so a waiter takes over at once.
+
+Any store error means "compute": node-local exactly-once never depends on the lease.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable
+from typing import Final
+
+from shmcache.format.values import Value
+from shmcache.remote.store import RemoteStore
+
+__all__ = ["LEASE_SUFFIX", "hold_or_wait", "release"]
+
+LEASE_SUFFIX: Final = "@lease"
+POLL_S: Final = 0.05
+READ_S: Final = 2.0
+
+
+def _token(timeout_s: float) -> bytes:
+    return f"{secrets.token_hex(8)}|{time.time() + timeout_s:.3f}".encode()
+
+
+def _deadline(token: bytes) -> float:
+    try:
+        return float(token.rsplit(b"|", 1)[1])
+    except (IndexError, ValueError):
+        return 0.0  # not a token of ours: take it over
+
+
+def hold_or_wait(
+    store: RemoteStore, name: str, timeout_s: float, pull: Callable[[], Value | None]
+) -> tuple[bytes | None, Value | None]:
+    """(our lease token, None): compute the value; (None, value): another node computed it.
+    `pull` looks for the value in the store (under our node reservation)."""
+    lease = name + LEASE_SUFFIX
+    mine = _token(timeout_s)
+    if not store.put_bytes(lease, mine):
+        return mine, None  # the store does not answer: compute
+    held = _read(store, lease)
+    while held is not None and held != mine:
+        deadline = _deadline(held)
+        while time.time() < deadline:
+            value = pull()
+            if value is not None:
+                return None, value
+            time.sleep(POLL_S)
+            if store.size_of(lease) is None:
+                break  # removed (a failed holder): a master lookup, no transfer from its segment
+        mine = _token(timeout_s)
+        if not store.upsert_bytes(lease, mine):
+            return mine, None
+        held = _read(store, lease)
+    return mine, None
+
+
+def _read(store: RemoteStore, lease: str) -> bytes | None:
+    """The lease as stored. Mooncake's `get` answers empty while another client is still writing
+    the object (a put racing ours): look again for up to `READ_S`; None if it never shows."""
+    deadline = time.monotonic() + READ_S
+    while True:
+        held = store.get_bytes(lease)
+        if held is not None or time.monotonic() > deadline:
+            return held
+        time.sleep(POLL_S)
+
+
+def release(store: RemoteStore, name: str, token: bytes) -> None:
+    """Remove our lease of `name` (our compute failed), if it is still ours."""
+    lease = name + LEASE_SUFFIX
+    if store.get_bytes(lease) == token:
+        store.remove(lease)

@@ -1,0 +1,114 @@
+"""Cross-node single flight: nodes (separate processes and namespaces, one Mooncake master) that
+miss the same key at the same time run one compute between them; the lease holder SIGKILLed
+mid-compute costs one takeover, and every node still gets the value."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from shmcache import CacheConfig, EmbeddingCache, destroy_namespace
+from shmcache.testing import MooncakeMaster
+from tests.helpers import kill, spawn
+from tests.test_remote import remote_config
+from tests.workers import expected_value, fingerprint, key_of
+
+NODES = 3
+
+
+def node(config: CacheConfig, name: str, start: Any, results: Any, marks: str, slow_s: float) -> None:
+    """One node's worker: miss `name` together with the others; report (computed?, fingerprint)."""
+    with EmbeddingCache(config) as cache:
+        computed = []
+
+        def compute() -> Any:
+            computed.append(True)
+            Path(marks, f"computing.{os.getpid()}").touch()
+            time.sleep(slow_s)  # a slow encoder: the others are waiting meanwhile
+            return expected_value(name, 1 << 16)
+
+        start.wait(60)
+        value = cache.get_or_compute(key_of(name), compute)
+        results.put((os.getpid(), bool(computed), fingerprint(value)))
+        while cache.stats()["remote_publishes"] < int(bool(computed)):
+            time.sleep(0.05)  # a node that computed stays until its value is published
+
+
+def _nodes(
+    master: MooncakeMaster, tmp_path: Path, slow_s: float, **extra: Any
+) -> tuple[list[mp.process.BaseProcess], Any, list[str], Any]:
+    ctx = mp.get_context("spawn")
+    start, results = ctx.Barrier(NODES), ctx.Queue()
+    prefix = f"sf-{uuid.uuid4().hex[:8]}"
+    namespaces = [f"sf-node-{i}-{uuid.uuid4().hex[:8]}" for i in range(NODES)]
+    procs = [
+        spawn(
+            node,
+            remote_config(ns, master.address, remote_key_prefix=prefix, **extra),
+            "shared",
+            start,
+            results,
+            str(tmp_path),
+            slow_s,
+        )
+        for ns in namespaces
+    ]
+    return procs, results, namespaces, start  # the barrier must outlive the children's start
+
+
+def test_three_nodes_that_miss_together_compute_once(
+    shmcache_mooncake: MooncakeMaster, tmp_path: Path
+) -> None:
+    procs, results, namespaces, _start = _nodes(shmcache_mooncake, tmp_path, slow_s=1.0)
+    try:
+        got = [results.get(timeout=120) for _ in procs]
+        for proc in procs:
+            proc.join(60)
+        assert sum(computed for _, computed, _ in got) == 1
+        assert {fp for _, _, fp in got} == {fingerprint(expected_value("shared", 1 << 16))}
+    finally:
+        for ns in namespaces:
+            destroy_namespace(ns)
+
+
+def test_the_lease_holder_killed_mid_compute_costs_one_takeover(
+    shmcache_mooncake: MooncakeMaster, tmp_path: Path
+) -> None:
+    procs, results, namespaces, _start = _nodes(
+        shmcache_mooncake, tmp_path, slow_s=4.0, compute_timeout_s=3.0
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not list(tmp_path.glob("computing.*")):
+            assert time.monotonic() < deadline, "nobody started computing"
+            time.sleep(0.02)
+        holder_pid = int(next(tmp_path.glob("computing.*")).suffix[1:])
+        holder = next(p for p in procs if p.pid == holder_pid)
+        kill(holder)  # mid-compute: its lease stays until its deadline (or its segment goes)
+        got = [results.get(timeout=240) for _ in range(NODES - 1)]
+        for proc in procs:
+            proc.join(60)
+        assert 1 <= sum(computed for _, computed, _ in got) <= NODES - 1
+        assert {fp for _, _, fp in got} == {fingerprint(expected_value("shared", 1 << 16))}
+        assert len(list(tmp_path.glob("computing.*"))) == 1 + sum(c for _, c, _ in got)
+    finally:
+        for ns in namespaces:
+            destroy_namespace(ns)
+
+
+def test_single_flight_can_be_switched_off(shmcache_mooncake: MooncakeMaster, tmp_path: Path) -> None:
+    procs, results, namespaces, _start = _nodes(
+        shmcache_mooncake, tmp_path, slow_s=1.0, remote_single_flight=False
+    )
+    try:
+        got = [results.get(timeout=120) for _ in procs]
+        for proc in procs:
+            proc.join(60)
+        assert sum(computed for _, computed, _ in got) == NODES  # each node computes on its own
+    finally:
+        for ns in namespaces:
+            destroy_namespace(ns)
