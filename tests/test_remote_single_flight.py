@@ -112,3 +112,33 @@ def test_single_flight_can_be_switched_off(shmcache_mooncake: MooncakeMaster, tm
     finally:
         for ns in namespaces:
             destroy_namespace(ns)
+
+
+def test_a_dropped_publish_gives_the_lease_up_at_once(
+    shmcache_mooncake: MooncakeMaster, shmcache_namespace: str
+) -> None:
+    import dataclasses
+    import threading
+
+    config = remote_config(
+        shmcache_namespace, shmcache_mooncake.address, remote_publish_queue=1, compute_timeout_s=60.0
+    )
+    other = dataclasses.replace(config, namespace=f"sf-other-{uuid.uuid4().hex[:8]}")
+    try:
+        with EmbeddingCache(config) as a, EmbeddingCache(other) as b:
+            assert a._bridge is not None
+            busy = threading.Event()
+            for _ in range(2):  # both publisher threads stuck, as two slow transfers would be
+                a._bridge.store._executor.submit(busy.wait, 60)
+            a.put(key_of("filler"), expected_value("filler"))  # takes the one queue slot
+            a.get_or_compute(key_of("k"), lambda: expected_value("k"))  # holds the lease; publish dropped
+            assert a.stats()["remote_publish_drops"] == 1
+            started = time.monotonic()
+            value = b.get_or_compute(key_of("k"), lambda: expected_value("k"))
+            waited = time.monotonic() - started
+            busy.set()
+            assert fingerprint(value) == fingerprint(expected_value("k")) and b.stats()["computes"] == 1
+            assert waited < 20, waited  # not the holder's 60 s deadline: the lease was given up
+            del value
+    finally:
+        destroy_namespace(other.namespace)

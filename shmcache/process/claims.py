@@ -194,8 +194,8 @@ class Claims:
         finally:
             if exported:
                 self._settle_export(slot, gen)
-            if self.bridge is not None:  # published below, or failed: another node takes over
-                self.bridge.end_lease(reservation, failed=sealed is None)
+            if self.bridge is not None and sealed is None:  # failed: another node takes over
+                self.bridge.end_lease(reservation, failed=True)
         node.count(Counter.PUTS)
         node.count(Counter.BYTES_PUT, sealed.size)
         if self.bridge is not None:

@@ -171,18 +171,33 @@ class RemoteBridge:
         return decode.decode(data[entry.ENTRY_HEADER_SIZE :], copy=True)
 
     def publish(self, key: EmbeddingCacheKey, sealed: SealedEntry) -> None:
-        """Queue the publish of a freshly computed entry, pinned until the store has read it."""
+        """Queue the publish of a freshly computed entry, pinned until the store has read it.
+        The lease we held for it (if any) is removed when the value will not be in the store
+        (dropped, failed): waiting nodes then take over at once, not at the lease's deadline."""
         node, slot, gen = self._node, sealed.slot, sealed.gen
+        held = self._leases.pop((slot, gen), None)
+
+        def unpublished() -> None:
+            if held is not None:
+                lease.release(self.store, *held)
+
+        def done(stored: bool) -> None:
+            node.release([(slot, gen)])
+            if not stored:
+                unpublished()
+
         if not self.store.available:
-            return
+            return  # the store does not answer: the lease cannot be removed either
         try:
             if not node.add_ref(slot, gen):
+                unpublished()
                 return
         except Exception as exc:  # out of pins, a lock timeout: the value is stored, skip the publish
             node.count(Counter.REMOTE_PUBLISH_DROPS)
             log.info("shmcache: not publishing %r: %s", key, str(exc))
+            unpublished()
             return
         name = remote_key(self._prefix, key)
         address = self._arena_address + sealed.offset
-        if not self.store.publish(name, address, sealed.size, lambda: node.release([(slot, gen)])):
-            node.release([(slot, gen)])
+        if not self.store.publish(name, address, sealed.size, done):
+            done(False)

@@ -13,7 +13,8 @@ node reservation of a key and found no copy in the store:
    ~10 s after it dies): it overwrites the lease with its own token (`upsert`) and reads it back;
    its own token: it computes. A holder that dies mid-compute thus costs one takeover, bounded
    by `compute_timeout_s`; two waiters taking over at once may both compute (still one per node).
-4. A holder whose compute fails removes its lease, so a waiter takes over at once.
+4. A holder whose compute fails, or whose publish is dropped or fails, removes its lease, so a
+   waiter takes over at once.
 
 Any store error means "compute": node-local exactly-once never depends on the lease.
 """

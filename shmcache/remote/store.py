@@ -248,8 +248,8 @@ class RemoteStore:
                 self._count(Counter.REMOTE_ERRORS, 1)
         return found, larger
 
-    def publish(self, name: str, address: int, nbytes: int, done: Callable[[], None]) -> bool:
-        """Queue `put_from(name, address, nbytes)`; `done()` runs after it (success or not).
+    def publish(self, name: str, address: int, nbytes: int, done: Callable[[bool], None]) -> bool:
+        """Queue `put_from(name, address, nbytes)`; `done(stored)` runs after it.
 
         Never blocks: a full queue drops the publish (counted; the first drop is warned) and returns False.
         """
@@ -271,13 +271,15 @@ class RemoteStore:
             return False
         return True
 
-    def _put(self, name: str, address: int, nbytes: int, done: Callable[[], None]) -> None:
+    def _put(self, name: str, address: int, nbytes: int, done: Callable[[bool], None]) -> None:
+        stored = False
         try:
             client = self._client
             if client is None or not self.health.up:
                 return
             rc = self._put_from(client, name, address, nbytes)
-            if rc == 0:
+            stored = rc == 0
+            if stored:
                 self._count(Counter.REMOTE_PUBLISHES, 1)
             elif rc == _TOO_LARGE:
                 pass  # counted as a drop
@@ -290,7 +292,7 @@ class RemoteStore:
             log.debug("shmcache: publish of %s failed: %s", name, str(exc))
         finally:
             self._slots.release()
-            done()
+            done(stored)
 
     def _put_from(self, client: Any, name: str, address: int, nbytes: int) -> int:
         """`put_from` of [address, address + nbytes): straight from the arena with our own
