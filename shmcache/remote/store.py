@@ -27,7 +27,7 @@ import os
 import socket
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
@@ -49,6 +49,7 @@ NOT_AVAILABLE = {-200, -704, -706, -707, -800, -900, -901}
 MASTER_GONE = {-900, -901}  # RPC_FAIL, RPC timeout: an outage begins
 OBJECT_NOT_FOUND = -704
 BUFFER_TOO_SMALL = -600
+TIMED_OUT: Any = object()  # `_call`'s answer when Mooncake did not answer within remote_timeout_s
 _PROBE_BUFFER = 1 << 20  # a thin client's local buffer: the recovery probe's 1-byte put
 _TOO_LARGE = 1  # not a Mooncake code: a value larger than the thin client's publish buffer
 PROBE_KEY = "shmcache@probe"  # the recovery probe's 1-byte value (first writer wins: never rewritten)
@@ -84,6 +85,7 @@ class RemoteStore:
         self._setup_args = (config.remote_protocol, config.remote_segment_bytes, config.remote_buffer_bytes)
         self._holder = config.remote_holder
         self._client: Any = None
+        self._stuck: list[Future[Any]] = []  # calls that outlived their wait: the client stays open
         self.staging: Staging | None = None
         self._warned_full = False
         self._registered: set[tuple[int, int]] = set()
@@ -131,7 +133,7 @@ class RemoteStore:
             return self._connect() is None
         if self._setup_args[2] == 0:
             rc = self._call("get_size", PROBE_KEY)
-            return rc is not None and (rc >= 0 or rc == OBJECT_NOT_FOUND)
+            return isinstance(rc, int) and (rc >= 0 or rc == OBJECT_NOT_FOUND)
         return bool(self._call("put", PROBE_KEY, b"\0") == 0)
 
     @property
@@ -139,17 +141,19 @@ class RemoteStore:
         return self.health.up and self._client is not None
 
     def _call(self, method: str, *args: Any) -> Any:
-        """`client.method(*args)` (a return code, or a list of them), waiting at most `timeout_s`;
-        None (an outage begins) if the master does not answer in time or is gone. The call
-        itself may go on in its thread."""
+        """`client.method(*args)` (a return code, or a list of them), waiting at most `timeout_s`.
+        An outage begins when the master is gone (None) or does not answer in time (`TIMED_OUT`:
+        the call goes on in its thread and may still write into the memory it was given)."""
         client = self._client
         if client is None:
             return None
         try:
-            result = self._calls.submit(getattr(client, method), *args).result(self._timeout)
+            future = self._calls.submit(getattr(client, method), *args)
+            result = future.result(self._timeout)
         except FutureTimeout:
+            self._stuck.append(future)
             self.health.down(f"no answer from Mooncake master {self.master} in {self._timeout} s")
-            return None
+            return TIMED_OUT
         except RuntimeError:  # the executor is shut down: closing
             return None
         codes = result if isinstance(result, list) else [result]
@@ -175,8 +179,8 @@ class RemoteStore:
         if not self.available:
             return None
         size = self._call("get_size", name)
-        if size is None or size < 0:
-            if size is not None and size not in NOT_AVAILABLE:
+        if not isinstance(size, int) or size < 0:
+            if isinstance(size, int) and size not in NOT_AVAILABLE:
                 self._count(Counter.REMOTE_ERRORS, 1)
             return None
         return int(size)
@@ -194,9 +198,9 @@ class RemoteStore:
         rc = self._call("get_into", name, int(buffer.ctypes.data), size)
         if rc == size:
             return buffer[:size]
-        if rc not in NOT_AVAILABLE:  # a transfer that failed or timed out may still write there
-            staging.poison()
-            if rc is not None:
+        if rc is TIMED_OUT or (isinstance(rc, int) and rc not in NOT_AVAILABLE):
+            staging.poison()  # a transfer that failed or timed out may still write there
+            if rc is not TIMED_OUT:
                 self._count(Counter.REMOTE_ERRORS, 1)
         return None
 
@@ -214,7 +218,7 @@ class RemoteStore:
         if not self.available:
             return None
         value = self._call("get", name)
-        return bytes(value) if value else None
+        return bytes(value) if isinstance(value, bytes) and value else None
 
     def remove(self, name: str) -> None:
         """Remove `name`, read leases notwithstanding."""
@@ -234,9 +238,10 @@ class RemoteStore:
         rcs = self._call(
             "batch_get_into", names, [base + i * cap for i in range(len(names))], [cap] * len(names)
         )
-        if rcs is None:
-            assert staging is not None
-            staging.poison()  # timed out: the transfers may still write there
+        assert staging is not None
+        if not isinstance(rcs, list):
+            if rcs is TIMED_OUT:
+                staging.poison()  # the transfers may still write there
             return found, []
         larger = []
         for i, rc in enumerate(rcs):
@@ -246,6 +251,8 @@ class RemoteStore:
                 larger.append(i)
             elif rc not in NOT_AVAILABLE:
                 self._count(Counter.REMOTE_ERRORS, 1)
+        if any(rc < 0 and rc != BUFFER_TOO_SMALL and rc not in NOT_AVAILABLE for rc in rcs):
+            staging.poison()  # a failed transfer may still write into its part of the buffer
         return found, larger
 
     def publish(self, name: str, address: int, nbytes: int, done: Callable[[bool], None]) -> bool:
@@ -314,5 +321,7 @@ class RemoteStore:
         self.health.close()
         self._executor.shutdown(wait=True)
         self._calls.shutdown(wait=False, cancel_futures=True)
-        if self._client is not None:
+        if any(not future.done() for future in self._stuck):
+            log.debug("shmcache: a Mooncake call is still running; its client is left to process exit")
+        elif self._client is not None:
             self._client.close()
