@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from shmcache import ArgumentTypeError, CacheConfig, EmbeddingCache
+from shmcache import ArgumentTypeError, CacheConfig, ConfigTypeError, EmbeddingCache, InvalidKey
 from shmcache.integrations.encoder import CachedEncoder
 from tests.encoders import batch, build
 from tests.helpers import spawn
@@ -148,6 +148,20 @@ def test_calls_without_the_layout_are_typed_errors(config: CacheConfig) -> None:
             CachedEncoder(
                 cache, "visual", items=hook.items, preprocessing=hook.preprocessing, modality="image"
             )  # type: ignore[arg-type]
+        bad: list[tuple[type[Exception], str, dict[str, Any]]] = [
+            (ArgumentTypeError, "ItemLayout", {"items": "grid_thw"}),
+            (ConfigTypeError, "EncoderPreprocessingConfig", {"preprocessing": {}}),
+            (InvalidKey, "modality", {"modality": "smell"}),
+        ]
+        for error, message, wrong in bad:
+            arguments: dict[str, Any] = {
+                "items": hook.items,
+                "preprocessing": hook.preprocessing,
+                "modality": "image",
+                **wrong,
+            }
+            with pytest.raises(error, match=message):
+                CachedEncoder(cache, hook.encoder, **arguments)
 
 
 def test_install_routes_a_modules_own_calls_and_uninstall_undoes_it(config: CacheConfig) -> None:

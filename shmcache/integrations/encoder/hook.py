@@ -23,11 +23,12 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from shmcache.errors import CapacityError
+from shmcache.errors import ArgumentTypeError, CapacityError, ConfigTypeError, InvalidKey
 from shmcache.format.values import Value
 from shmcache.integrations.encoder.items import ItemCall, ItemLayout
-from shmcache.keys.key import EmbeddingCacheKey, Modality
+from shmcache.keys.key import MODALITIES, EmbeddingCacheKey, Modality
 from shmcache.keys.preprocessing import EncoderPreprocessingConfig
+from shmcache.keys.text import short_repr
 from shmcache.process.arguments import check_callable
 from shmcache.process.cache import EmbeddingCache
 from shmcache.process.reservation import RequestId, Reservation
@@ -49,6 +50,16 @@ class CachedEncoder:
         modality: Modality,
     ) -> None:
         check_callable("encoder", encoder)
+        if not all(callable(getattr(items, step, None)) for step in ("split", "subset", "cut", "join")):
+            raise ArgumentTypeError(
+                f"items must be an ItemLayout (BatchedItems, PackedItems), got {type(items).__name__}"
+            )
+        if not isinstance(preprocessing, EncoderPreprocessingConfig):
+            raise ConfigTypeError(
+                f"preprocessing must be an EncoderPreprocessingConfig, got {type(preprocessing).__name__}"
+            )
+        if modality not in MODALITIES:
+            raise InvalidKey(f"modality must be one of {MODALITIES}, got {short_repr(modality)}")
         self.cache, self.encoder, self.items = cache, encoder, items
         self.preprocessing, self.modality = preprocessing, modality
 
