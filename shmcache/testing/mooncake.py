@@ -6,12 +6,15 @@ cannot run); tools/bench.py and tools/bench_remote.py start one per run.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+import urllib.request
 
 from shmcache.remote.store import free_port
 
@@ -21,12 +24,22 @@ __all__ = ["MooncakeHolder", "MooncakeMaster"]
 class MooncakeMaster:
     """A real `mooncake_master` bound to 127.0.0.1 on free ports (never the HTTP metadata server)."""
 
-    def __init__(self, timeout: float = 20.0) -> None:
-        self.port, self._metrics = free_port(), free_port()
-        self.address = f"127.0.0.1:{self.port}"
-        self.process = self._start(timeout)
+    def __init__(self, timeout: float = 20.0, attempts: int = 3) -> None:
+        for attempt in range(attempts):
+            self.port, self._metrics = free_port(), free_port()
+            self.address = f"127.0.0.1:{self.port}"
+            try:
+                self.process = self._start(timeout)
+                return
+            except RuntimeError:
+                if attempt == attempts - 1:
+                    raise  # else: another process took a port between free_port() and the bind
 
     def _start(self, timeout: float) -> subprocess.Popen[bytes]:
+        """Start the master and wait until its admin endpoint says it serves (a listening RPC port
+        alone is not enough: it accepts before the master is ready, and a master whose metrics
+        port was taken exits right after)."""
+        log = tempfile.TemporaryFile()
         process = subprocess.Popen(
             [
                 self.binary(),
@@ -36,20 +49,32 @@ class MooncakeMaster:
                 f"--metrics_port={self._metrics}",
             ],
             stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+            stderr=log,
         )
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
-                    return process
-            except OSError:
-                if process.poll() is not None or time.monotonic() > deadline:
-                    if process.poll() is None:
-                        process.kill()
+        with log:
+            deadline = time.monotonic() + timeout
+            while not self._serving():
+                if process.poll() is not None:
+                    log.seek(0)
+                    tail = log.read().decode(errors="replace").strip().splitlines()[-3:]
+                    raise RuntimeError(f"mooncake_master on {self.address} exited: {tail}")
+                if time.monotonic() > deadline:
+                    process.kill()
                     process.wait(10)
-                    raise RuntimeError(f"mooncake_master did not start on {self.address}") from None
+                    raise RuntimeError(f"mooncake_master did not start on {self.address}")
                 time.sleep(0.05)
+        return process
+
+    def _serving(self) -> bool:
+        """The master answers on both ports and reports itself ready."""
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                pass
+            url = f"http://127.0.0.1:{self._metrics}/health"
+            with urllib.request.urlopen(url, timeout=1) as answer:
+                return json.load(answer).get("service_ready") is True
+        except (OSError, ValueError):
+            return False
 
     def restart(self, timeout: float = 20.0) -> None:
         """Start a new master on the same ports (after `kill`): as an operator's restart would. It
