@@ -39,19 +39,18 @@ class MooncakeMaster:
         """Start the master and wait until its admin endpoint says it serves (a listening RPC port
         alone is not enough: it accepts before the master is ready, and a master whose metrics
         port was taken exits right after)."""
-        log = tempfile.TemporaryFile()
-        process = subprocess.Popen(
-            [
-                self.binary(),
-                f"--rpc_port={self.port}",
-                "--rpc_address=127.0.0.1",
-                "--metrics_host=127.0.0.1",
-                f"--metrics_port={self._metrics}",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=log,
-        )
-        with log:
+        with tempfile.TemporaryFile() as log:
+            process = subprocess.Popen(
+                [
+                    self.binary(),
+                    f"--rpc_port={self.port}",
+                    "--rpc_address=127.0.0.1",
+                    "--metrics_host=127.0.0.1",
+                    f"--metrics_port={self._metrics}",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+            )
             deadline = time.monotonic() + timeout
             while not self._serving():
                 if process.poll() is not None:
