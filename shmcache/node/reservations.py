@@ -194,6 +194,17 @@ class Reservations:
         self._slots.write(slot, record.state, record.freed())
         return True
 
+    def set_aside_in(self, slot: int, gen: int) -> bool:
+        """Turn our reservation (slot, gen) into a STALE entry with one reference (the caller has
+        taken that pin), its extent kept; False if fenced off. Waiters find no failure recorded
+        and look again. The caller releases the semaphore."""
+        record = self._slots.read(slot)
+        if record is None or not record.owned_by(self.client, gen):
+            return False
+        now = time.monotonic()
+        self._slots.write(slot, record.state, record._replace(state=SlotState.STALE, sealed_at=now, refs=1))
+        return True
+
     def adopt_in(self, slot: int, gen: int, giver: int) -> bool:
         """Make reservation (slot, gen) of client `giver` ours (see the module docstring); False if
         it is no longer the giver's (sealed, abandoned, taken over) or its holders all died."""

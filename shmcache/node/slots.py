@@ -3,15 +3,18 @@
 ::
 
     EMPTY ──reserve──► RESERVED(owner, gen) ──seal (fenced: same owner and gen)──► SEALED
-      ▲                  │   │ allocate: the extent is set (still RESERVED, same gen)       │
-      │                  │   └ takeover of a dead owner: RESERVED(new owner, gen + 1)       │
-      ├──abandon, dead───┘                                                                  │
-      ├──────────────── evict / expire / drop, unreferenced ◄───────────────────────────────┤
+      ▲                  │ │ │ allocate: the extent is set (still RESERVED, same gen)       │
+      │                  │ │ └ takeover of a dead owner: RESERVED(new owner, gen + 1)       │
+      ├──abandon, dead───┘ └──set aside (fenced, one pin of the owner)──┐                   │
+      ├──────────────── evict / expire / drop, unreferenced ◄───────────┼───────────────────┤
       │                                                      expire / drop, still referenced│
-      └── last release ◄── STALE ◄──────────────────────────────────────────────────────────┘
+      └── last release ◄── STALE ◄──────────────────────────────────────┴───────────────────┘
 
 A pin change rewrites SEALED or STALE as itself. STALE is an entry that is a miss for every new
 lookup (expired, damaged or dropped) whose memory is kept until its last reference is released.
+A reservation whose extent a failed remote transfer may still write is *set aside*: STALE with
+one pin of its owner, which keeps the memory out of the allocator's hands until that transfer
+can no longer write (the owner's detach or death releases the pin).
 
 Every write of a record goes through `SlotTable.write`, which checks the transition against
 `TRANSITIONS` and writes the record and its crc in one copy of their bytes: never `pack_into`
@@ -82,6 +85,7 @@ TRANSITIONS: Final[frozenset[tuple[SlotState, SlotState]]] = frozenset(
         (RESERVED, RESERVED),  # allocate an extent; take over a dead owner's reservation
         (RESERVED, SEALED),  # seal
         (RESERVED, EMPTY),  # abandon; a dead owner's reservation freed
+        (RESERVED, STALE),  # set aside: a failed transfer may still write its extent
         (SEALED, SEALED),  # pin, unpin
         (SEALED, STALE),  # expired or dropped while referenced
         (SEALED, EMPTY),  # evicted, expired or dropped while unreferenced

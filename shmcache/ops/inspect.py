@@ -176,7 +176,7 @@ def gc_namespace(namespace: str) -> dict[str, Any]:
             freed = before - _reserved(node)
         finally:
             node.detach()
-            if not node.live_clients().any():  # we are detached: anyone live is another process
+            if not node.clients.live().any():  # we are detached: anyone live is another process
                 remove_objects(names)
     return {"namespace": namespace, "removed": False, "reaped_clients": dead, "freed_reservations": freed}
 

@@ -41,6 +41,7 @@ _COUNTERS: Final[dict[Counter, str]] = {
     Counter.REMOTE_ERRORS: "Mooncake transfer or RPC errors",
     Counter.REMOTE_REJECTED: "Remote values rejected (corrupt or foreign)",
     Counter.REMOTE_OUTAGES: "Remote store outages (each warned once, survived)",
+    Counter.REMOTE_SET_ASIDE: "Pulls whose transfer failed into node memory (kept out of use until it ends)",
     Counter.GPU_EXPORTS: "Device copies exported through CUDA IPC",
     Counter.GPU_EXPORT_SKIPS: "GPU entries stored with their host copy only (export limit or no IPC)",
     Counter.GPU_HITS_ALIAS: "GPU hits served as zero-copy aliases of the exporter's memory",

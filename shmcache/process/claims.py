@@ -26,7 +26,7 @@ from shmcache.node.slots import FailureKind, SealedEntry
 from shmcache.process.requests import RequestRefs
 from shmcache.process.reservation import RequestId, Reservation, ReservationTicket
 from shmcache.process.views import Views
-from shmcache.remote.bridge import RemoteBridge
+from shmcache.remote.bridge import LOOK_AGAIN, RemoteBridge
 
 __all__ = ["Claims"]
 
@@ -72,17 +72,18 @@ class Claims:
         while True:
             claim = node.reserve(needle, meta, pins)
             if claim.kind is ClaimKind.HIT:
-                assert claim.hit is not None
-                if count_hits:
-                    node.count(Counter.HITS_NODE)
-                value = self._views.deliver(key, needle, claim.hit, request_id)
-                if value is not None:
-                    return Reservation(self, key, request_id, value=value)
+                hit = self._hit(claim.hit, key, needle, request_id, count=count_hits)
+                if hit is not None:
+                    return hit
                 continue  # a damaged entry was dropped: look again
             if claim.kind is ClaimKind.OWNER:
                 node.count(Counter.MISSES)
                 ours = Reservation(self, key, request_id, slot=claim.slot, gen=claim.gen)
-                return self._pulled(ours) if pull else ours
+                settled = self._pulled(ours) if pull else ours
+                if settled is not None:
+                    return settled
+                pull = False  # the pull ended our reservation (set aside): look again, no pull
+                continue
             if claim.kind is ClaimKind.FULL:
                 if reaped:
                     return Reservation(self, key, request_id)
@@ -96,6 +97,22 @@ class Claims:
                 waited = True
             if self._wait(key, claim.slot, deadline) and self._failed_uncacheable(key, claim.slot, claim.gen):
                 return Reservation(self, key, request_id)
+
+    def _hit(
+        self,
+        hit: SealedEntry | None,
+        key: EmbeddingCacheKey,
+        needle: bytes,
+        request_id: RequestId | None,
+        *,
+        count: bool,
+    ) -> Reservation | None:
+        """A node hit delivered as a settled reservation; None if the entry was found damaged."""
+        assert hit is not None
+        if count:
+            self._node.count(Counter.HITS_NODE)
+        value = self._views.deliver(key, needle, hit, request_id)
+        return None if value is None else Reservation(self, key, request_id, value=value)
 
     def claim_many(
         self, keys: Sequence[EmbeddingCacheKey], needles: Sequence[bytes], request_id: RequestId | None
@@ -116,13 +133,16 @@ class Claims:
                     res.abandon("pulling from the remote store failed")
             raise
         for i, value in zip(owned, pulled, strict=True):
-            if value is not None:
+            if value is LOOK_AGAIN:
+                claims[i] = None  # no longer ours, not a value for us: as a key another process holds
+            elif value is not None:
                 claims[i] = Reservation(None, keys[i], request_id, value=value)
         return claims
 
-    def _pulled(self, res: Reservation) -> Reservation:
+    def _pulled(self, res: Reservation) -> Reservation | None:
         """Our reservation of a node miss, or the value the remote store had for it (one pull
-        per node: it runs under the reservation)."""
+        per node: it runs under the reservation); None if the pull ended the reservation
+        without a value for us (`LOOK_AGAIN`)."""
         if self.bridge is None:
             return res
         try:
@@ -130,6 +150,8 @@ class Claims:
         except BaseException:
             res.abandon("pulling from the remote store failed")
             raise
+        if pulled is LOOK_AGAIN:
+            return None
         return res if pulled is None else Reservation(None, res.key, res.request_id, value=pulled)
 
     def _failed_uncacheable(self, key: EmbeddingCacheKey, slot: int, gen: int) -> bool:

@@ -28,6 +28,6 @@ def node_stats(node: NodeIndex, device: DeviceSide) -> dict[str, int]:
         references=int(slots["refcount"].sum()),
         capacity_bytes=node.capacity,
         max_entries=node.layout.slots,
-        clients=int(node.live_clients().sum()),
+        clients=int(node.clients.live().sum()),
     )
     return totals

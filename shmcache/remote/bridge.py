@@ -1,15 +1,20 @@
 """The bridge between the node layer and Mooncake Store: pull on a node miss, publish after a compute.
 
 A pull runs under the node reservation (N processes of a node that miss together cause one pull).
-The transfer lands in a private staging buffer first (Mooncake may still write into memory after a
-failed or timed-out call, which must never be arena memory that others read), is verified (entry
-header and value format), then sealed through the node's one commit transaction. Many misses of
-one request are pulled in one `batch_get_into` (`pull_many`). A publish pins the entry until the
-store has read it, and never blocks (store.py's bounded queue).
+With its own segment, this process pulls straight into the reservation's extent of the arena
+(not yet visible to anyone), verifies it there (entry header and value format) and seals it
+through the node's fenced seal: no copy. A transfer that failed or timed out may still write into
+that extent after the call returned, so the reservation is *set aside* (slots.py): the memory
+stays out of the allocator's hands until this process detaches or dies, and the caller looks
+the key up again. A thin client of the node's holder can only transfer through the holder's
+pool: its pulls land in a pool buffer and are copied after verification. Many misses of one
+request are pulled in one `batch_get_into` (`pull_many`, through the pull buffer). A publish pins
+the entry until the store has read it, and never blocks (store.py's bounded queue).
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import mmap
 import threading
@@ -25,18 +30,31 @@ from shmcache.format.values import Value
 from shmcache.keys.key import EmbeddingCacheKey
 from shmcache.node.index import NodeIndex
 from shmcache.node.layout import Counter, needle_of
-from shmcache.node.slots import SealedEntry
+from shmcache.node.slots import FailureKind, SealedEntry
 from shmcache.process.reservation import Reservation
 from shmcache.process.views import Views
 from shmcache.remote import lease
-from shmcache.remote.store import RemoteStore, remote_key
+from shmcache.remote.store import RemoteStore, Transfer, remote_key
 
-__all__ = ["BATCH_ITEM_BYTES", "RemoteBridge"]
+__all__ = ["BATCH_ITEM_BYTES", "LOOK_AGAIN", "LookAgain", "Pulled", "RemoteBridge"]
 
 BATCH_ITEM_BYTES: Final = 64 << 10  # a batch pull gives each item this much room (measured: 66
 # items of 4 KiB in 5-8 ms with 64 KiB each, 150 ms with 1 MiB each; alone: 30-54 ms + sizes)
+DRAIN_S: Final = 90.0  # at close, how long to wait for a call stuck on set-aside memory (Mooncake
+# itself gives up on a transfer after 60 s)
 
 log = logging.getLogger("shmcache")
+
+
+class LookAgain(enum.Enum):
+    """A pull that ended our reservation without a value for us (its memory set aside, or sealed
+    while this process had no pin left): the caller looks the key up again."""
+
+    LOOK_AGAIN = "look again"
+
+
+LOOK_AGAIN: Final = LookAgain.LOOK_AGAIN
+Pulled = Value | None | LookAgain  # a value; None: a miss, the reservation still ours; LOOK_AGAIN
 
 
 class RemoteBridge:
@@ -55,12 +73,14 @@ class RemoteBridge:
     ) -> None:
         self.store, self._node, self._arena, self._views, self._prefix = store, node, arena, views, prefix
         address = np.frombuffer(arena, dtype=np.uint8)
-        self._arena_address = int(address.ctypes.data)
-        store.register(self._arena_address, address.nbytes)
+        self._arena_address, self._arena_bytes = int(address.ctypes.data), address.nbytes
+        store.register(self._arena_address, self._arena_bytes)
         del address
-        self._lock = threading.Lock()  # one pull at a time: they share the store's pull buffer
+        self._lock = threading.Lock()  # one staged pull at a time: they share the store's pull buffer
         self._single_flight, self._lease_s = single_flight, lease_s
         self._leases: dict[tuple[int, int], tuple[str, bytes]] = {}  # (slot, gen) -> (name, token)
+        self._tainted = False  # a transfer into the arena failed: its memory is set aside
+        self._kept: list[Reservation] = []  # tainted, and no pin to set it aside: kept till close
 
     @classmethod
     def open(cls, config: CacheConfig, node: NodeIndex, arena: mmap.mmap, views: Views) -> RemoteBridge:
@@ -78,12 +98,18 @@ class RemoteBridge:
         )
 
     def close(self) -> None:
-        """Finish queued publishes (they hold pins), then disconnect."""
-        self.store.close()
+        """Finish queued publishes (they hold pins), then disconnect. After a failed transfer into
+        the arena, wait (up to `DRAIN_S`) for calls still running: the set-aside memory is freed
+        when this process detaches, and no transfer may write it then."""
+        closed = self.store.close(drain_s=DRAIN_S if self._tainted else 0.0)
+        if not closed and self._tainted:
+            log.error("shmcache: a Mooncake transfer into node memory is still running at close")
+        for res in self._kept if closed else ():
+            self._node.abandon(res.slot, res.gen, FailureKind.UNCACHEABLE, "a remote transfer failed")
 
-    def pull(self, reservation: Reservation) -> Value | None:
-        """Under our `reservation`: copy the key's entry from the store into node memory and seal
-        it; the value, or None on any miss (the reservation is then still ours)."""
+    def pull(self, reservation: Reservation) -> Pulled:
+        """Under our `reservation`: bring the key's entry from the store into node memory and seal
+        it; the value, None on a miss (the reservation is then still ours), or LOOK_AGAIN."""
         if not self.store.available:
             return None
         name = remote_key(self._prefix, reservation.key)
@@ -93,10 +119,44 @@ class RemoteBridge:
         if size <= entry.ENTRY_HEADER_SIZE or size > self._node.capacity:
             self._node.count(Counter.REMOTE_REJECTED)
             return None
+        if self._node.pins.spare >= 2 and self.store.pulls_in_place(self._arena_address, self._arena_bytes):
+            try:
+                return self._pull_in_place(reservation, name, size)
+            except CapacityError:
+                pass  # no room: a private copy through the pull buffer
         with self._lock:
             return self._settle(reservation, name, self.store.fetch(name, size))
 
-    def pull_or_lease(self, reservation: Reservation) -> Value | None:
+    def _pull_in_place(self, reservation: Reservation, name: str, size: int) -> Pulled:
+        """`pull` into the reservation's own extent (two spare pin records: one to deliver, one to
+        set the extent aside if the transfer fails); `CapacityError` if the arena has no room."""
+        node, slot, gen = self._node, reservation.slot, reservation.gen
+        offset = node.allocate(slot, gen, size)
+        outcome = self.store.fetch_into(name, self._arena_address + offset, size)
+        if outcome is Transfer.TAINTED:
+            self._tainted = True
+            node.count(Counter.REMOTE_SET_ASIDE)
+            if not node.set_aside(slot, gen):
+                self._kept.append(reservation)  # pins ran out meanwhile: stays reserved till close
+            return LOOK_AGAIN
+        if outcome is Transfer.UNTOUCHED:
+            return None
+        pulled = memoryview(self._arena)[offset : offset + size]
+        try:
+            if not self._verified(reservation, name, pulled):
+                return None  # the caller computes; its commit gives the reservation a new extent
+            entry.set_generation(pulled, gen)
+        finally:
+            pulled.release()
+        sealed = node.seal(slot, gen, self._views.pins_for(reservation.request_id), None)
+        node.count(Counter.HITS_REMOTE)
+        if not sealed.pinned:
+            return LOOK_AGAIN  # sealed for everyone; a lookup delivers it as any hit
+        key, request_id = reservation.key, reservation.request_id
+        value = self._views.deliver(key, needle_of(key), sealed, request_id)
+        return LOOK_AGAIN if value is None else value
+
+    def pull_or_lease(self, reservation: Reservation) -> Pulled:
         """`pull`; on a miss, with cross-node single flight on, take the key's lease in the store
         (None: we hold it and compute) or wait for the node that holds it (its value)."""
         value = self.pull(reservation)
@@ -115,15 +175,15 @@ class RemoteBridge:
         if held is not None and failed:
             lease.release(self.store, *held)
 
-    def pull_many(self, reservations: Sequence[Reservation]) -> list[Value | None]:
+    def pull_many(self, reservations: Sequence[Reservation]) -> list[Pulled]:
         """`pull` of many node misses in one batch call (each value up to `BATCH_ITEM_BYTES`;
-        larger ones are pulled alone afterwards); per reservation its value or None."""
+        larger ones are pulled alone afterwards); per reservation its value, None or LOOK_AGAIN."""
         if not reservations or not self.store.available:
             return [None] * len(reservations)
         names = [remote_key(self._prefix, res.key) for res in reservations]
         with self._lock:
             fetched, larger = self.store.fetch_many(names, BATCH_ITEM_BYTES)
-            values = [
+            values: list[Pulled] = [
                 self._settle(res, name, data)
                 for res, name, data in zip(reservations, names, fetched, strict=True)
             ]
@@ -131,23 +191,27 @@ class RemoteBridge:
             values[i] = self.pull(reservations[i])
         return values
 
-    def _settle(self, reservation: Reservation, name: str, data: np.ndarray | None) -> Value | None:
-        """Verify fetched bytes and seal them under `reservation` (hold the pull lock: `data` is
-        in the shared pull buffer); None for a miss or a rejected value."""
-        if data is None:
-            return None
+    def _verified(self, reservation: Reservation, name: str, data: memoryview) -> bool:
+        """Whether pulled bytes are an intact entry of the reservation's key (else counted)."""
         node = self._node
         if data.nbytes <= entry.ENTRY_HEADER_SIZE or data.nbytes > node.capacity:
             node.count(Counter.REMOTE_REJECTED)
-            return None
+            return False
         try:
-            decode.parse(entry.verify(data.data, reservation.key, None))
+            decode.parse(entry.verify(data, reservation.key, None))
         except CorruptValue as exc:
             node.count(Counter.REMOTE_REJECTED)
             log.warning("shmcache: rejected remote value %s: %s", name, str(exc))  # not exc: frames
+            return False
+        return True
+
+    def _settle(self, reservation: Reservation, name: str, data: np.ndarray | None) -> Value | None:
+        """Verify fetched bytes and seal them under `reservation` (hold the pull lock: `data` is
+        in the shared pull buffer); None for a miss or a rejected value."""
+        if data is None or not self._verified(reservation, name, data.data):
             return None
         value = self._seal(reservation, data)
-        node.count(Counter.HITS_REMOTE)
+        self._node.count(Counter.HITS_REMOTE)
         return value
 
     def _seal(self, reservation: Reservation, data: np.ndarray) -> Value:

@@ -22,6 +22,7 @@ Loopback only in tests: P2PHANDSHAKE metadata, `MC_TCP_BIND_ADDRESS=127.0.0.1`.
 from __future__ import annotations
 
 import ctypes
+import enum
 import logging
 import os
 import socket
@@ -29,6 +30,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as futures_wait
 from typing import Any
 
 import numpy as np
@@ -40,7 +42,7 @@ from shmcache.node.layout import Counter
 from shmcache.remote.health import Health
 from shmcache.remote.staging import Staging
 
-__all__ = ["RemoteStore", "free_port", "remote_key"]
+__all__ = ["RemoteStore", "Transfer", "free_port", "remote_key"]
 
 log = logging.getLogger("shmcache")
 
@@ -49,10 +51,28 @@ NOT_AVAILABLE = {-200, -704, -706, -707, -800, -900, -901}
 MASTER_GONE = {-900, -901}  # RPC_FAIL, RPC timeout: an outage begins
 OBJECT_NOT_FOUND = -704
 BUFFER_TOO_SMALL = -600
+TRANSFER_FAIL = -800  # also what Mooncake answers when it gave up waiting (60 s) on slices in flight
 TIMED_OUT: Any = object()  # `_call`'s answer when Mooncake did not answer within remote_timeout_s
 _PROBE_BUFFER = 1 << 20  # a thin client's local buffer: the recovery probe's 1-byte put
 _TOO_LARGE = 1  # not a Mooncake code: a value larger than the thin client's publish buffer
 PROBE_KEY = "shmcache@probe"  # the recovery probe's 1-byte value (first writer wins: never rewritten)
+
+
+class Transfer(enum.Enum):
+    """How a `get_into` left the memory it was given."""
+
+    DONE = "done"  # the object's bytes are there
+    UNTOUCHED = "untouched"  # a miss, or the master gone: nothing was transferred
+    TAINTED = "tainted"  # failed or timed out: it may still be written, so it is never reused
+
+
+def _taints(rc: Any) -> bool:
+    """Whether a failed `get_into` answer may leave a transfer writing into its memory: a call we
+    stopped waiting for, a failed transfer (Mooncake gives up on slices still in flight after
+    60 s and answers TRANSFER_FAIL), or an unexpected code."""
+    if rc is TIMED_OUT or rc == TRANSFER_FAIL:
+        return True
+    return isinstance(rc, int) and rc < 0 and rc not in NOT_AVAILABLE
 
 
 def remote_key(prefix: str, key: EmbeddingCacheKey) -> str:
@@ -195,14 +215,30 @@ class RemoteStore:
         if buffer is None:
             self._count(Counter.REMOTE_ERRORS, 1)
             return None
-        rc = self._call("get_into", name, int(buffer.ctypes.data), size)
+        outcome = self.fetch_into(name, int(buffer.ctypes.data), size)
+        if outcome is Transfer.TAINTED:
+            staging.poison()
+        return buffer[:size] if outcome is Transfer.DONE else None
+
+    def pulls_in_place(self, address: int, nbytes: int) -> bool:
+        """Whether a pull can land straight in [address, address + nbytes): memory registered by
+        `register` (never as a thin client, whose transfers go through the holder's pool)."""
+        return self.available and any(
+            start <= address and address + nbytes <= start + length for start, length in self._registered
+        )
+
+    def fetch_into(self, name: str, address: int, size: int) -> Transfer:
+        """`get_into` of the `size` stored bytes of `name` at `address` (registered memory)."""
+        rc = self._call("get_into", name, address, size)
         if rc == size:
-            return buffer[:size]
-        if rc is TIMED_OUT or (isinstance(rc, int) and rc not in NOT_AVAILABLE):
-            staging.poison()  # a transfer that failed or timed out may still write there
-            if rc is not TIMED_OUT:
+            return Transfer.DONE
+        if not _taints(rc):
+            if isinstance(rc, int) and rc >= 0:  # a stored object of another size: not ours
                 self._count(Counter.REMOTE_ERRORS, 1)
-        return None
+            return Transfer.UNTOUCHED
+        if rc is not TIMED_OUT:
+            self._count(Counter.REMOTE_ERRORS, 1)
+        return Transfer.TAINTED
 
     def put_bytes(self, name: str, data: bytes) -> bool:
         """`put` (first writer wins); False when the store does not answer."""
@@ -249,9 +285,9 @@ class RemoteStore:
                 found[i] = buffer[i * cap : i * cap + rc]
             elif rc == BUFFER_TOO_SMALL:
                 larger.append(i)
-            elif rc not in NOT_AVAILABLE:
+            elif _taints(rc):
                 self._count(Counter.REMOTE_ERRORS, 1)
-        if any(rc < 0 and rc != BUFFER_TOO_SMALL and rc not in NOT_AVAILABLE for rc in rcs):
+        if any(rc != BUFFER_TOO_SMALL and _taints(rc) for rc in rcs):
             staging.poison()  # a failed transfer may still write into its part of the buffer
         return found, larger
 
@@ -316,12 +352,18 @@ class RemoteStore:
             ctypes.memmove(int(buffer.ctypes.data), address, nbytes)
             return int(client.put_from(name, int(buffer.ctypes.data), nbytes))
 
-    def close(self) -> None:
-        """Stop probing, finish queued publishes, then disconnect."""
+    def close(self, drain_s: float = 0.0) -> bool:
+        """Stop probing, finish queued publishes, wait up to `drain_s` for calls that outlived
+        their wait, then disconnect: True if the client was closed (no transfer runs any more)."""
         self.health.close()
         self._executor.shutdown(wait=True)
         self._calls.shutdown(wait=False, cancel_futures=True)
-        if any(not future.done() for future in self._stuck):
+        stuck = [future for future in self._stuck if not future.done()]
+        if stuck:
+            futures_wait(stuck, timeout=drain_s)
+        if any(not future.done() for future in stuck):
             log.debug("shmcache: a Mooncake call is still running; its client is left to process exit")
-        elif self._client is not None:
+            return False
+        if self._client is not None:
             self._client.close()
+        return True

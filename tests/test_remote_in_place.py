@@ -1,0 +1,94 @@
+"""Pulls straight into node memory (a node with its own Mooncake segment): no staging copy, and a
+transfer that hangs sets its memory aside until it can no longer write there."""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import os
+import signal
+import time
+import tracemalloc
+from typing import Any
+
+from shmcache import CacheConfig, EmbeddingCache
+from shmcache.testing import MooncakeMaster
+from tests.helpers import kill, spawn, wait_for
+from tests.test_remote import remote_config
+from tests.workers import expected_value, fingerprint, key_of
+
+SIZE = 1 << 21  # bf16 elements: 4 MiB
+
+
+def publisher(config: CacheConfig, name: str, ready: Any, done: Any) -> None:
+    """Node A: compute and publish `name`, then stay (its segment holds the store's copy)."""
+    with EmbeddingCache(config) as cache:
+        cache.put(key_of(name), expected_value(name, SIZE))
+        while cache.stats()["remote_publishes"] < 1:
+            time.sleep(0.01)
+        ready.set()
+        done.wait(120)
+
+
+def test_a_pull_lands_in_node_memory_without_a_staging_copy(
+    shmcache_mooncake: MooncakeMaster, shmcache_namespace: str, other_namespace: str
+) -> None:
+    node_a = remote_config(shmcache_namespace, shmcache_mooncake.address)
+    with EmbeddingCache(node_a) as a:
+        a.put(key_of("frame"), expected_value("frame", SIZE))
+        wait_for(lambda: a.stats()["remote_publishes"] == 1, what="the publish")
+        with EmbeddingCache(dataclasses.replace(node_a, namespace=other_namespace)) as b:
+            tracemalloc.start()
+            try:
+                value = b.get_or_compute(key_of("frame"), lambda: expected_value("frame", SIZE))
+                _, peak = tracemalloc.get_traced_memory()
+            finally:
+                tracemalloc.stop()
+            assert b.stats()["hits_remote"] == 1 and b.stats()["computes"] == 0
+            assert fingerprint(value) == fingerprint(expected_value("frame", SIZE))
+            assert peak < 1 << 20, f"a 4 MiB pull allocated {peak} bytes: it went through a buffer"
+            del value
+
+
+def test_a_transfer_that_hangs_sets_its_memory_aside_until_it_ends(
+    shmcache_mooncake: MooncakeMaster, shmcache_namespace: str, other_namespace: str
+) -> None:
+    node_a = remote_config(shmcache_namespace, shmcache_mooncake.address)
+    nbytes = 2 * SIZE + 4096  # an entry of SIZE bf16 elements, with its header
+    node_b = dataclasses.replace(
+        node_a, namespace=other_namespace, capacity_bytes=3 * nbytes, remote_timeout_s=1.0
+    )
+    ctx = mp.get_context("spawn")
+    ready, done = ctx.Event(), ctx.Event()
+    proc = spawn(publisher, node_a, "shared", ready, done)
+    try:
+        assert ready.wait(60), "node A did not publish"
+        assert proc.pid is not None
+        os.kill(proc.pid, signal.SIGSTOP)  # its segment serves nothing now: a pull hangs mid-transfer
+        reader_config = dataclasses.replace(node_b, remote_master=None)
+        with EmbeddingCache(node_b) as b, EmbeddingCache(reader_config) as reader:
+            value = b.get_or_compute(key_of("shared"), lambda: expected_value("shared", SIZE))
+            assert fingerprint(value) == fingerprint(expected_value("shared", SIZE))
+            stats = b.stats()
+            assert stats["remote_set_aside"] == 1 and stats["computes"] == 1 and stats["hits_remote"] == 0
+            del value
+            fillers = [f"filler-{i}" for i in range(4)]
+            for name in fillers:  # they evict each other, never the memory set aside (first fit: 0)
+                b.put(key_of(name), expected_value(name, SIZE))
+            os.kill(proc.pid, signal.SIGCONT)  # the transfer goes on, into the memory set aside
+            b.close()  # waits for that transfer to end; the detach then frees the memory
+            present = [name for name in fillers if reader.get(key_of(name)) is not None]
+            assert present == fillers[-2:], present  # 2 of 3 entries' room: 1 was set aside
+            for name in present:
+                assert fingerprint(reader.get(key_of(name))) == fingerprint(expected_value(name, SIZE))
+            assert reader.stats()["corrupt_records"] == 0
+            held = [reader.get_or_compute(key_of(n), lambda n=n: expected_value(n, SIZE)) for n in "xyz"]
+            assert reader.stats()["uncacheable"] == 0  # all 3 fit: the memory set aside is free again
+            del held
+    finally:
+        done.set()
+        if proc.pid is not None:
+            os.kill(proc.pid, signal.SIGCONT)
+        proc.join(30)
+        if proc.is_alive():
+            kill(proc)
