@@ -19,15 +19,13 @@ from tests.helpers import kill, spawn, wait_for
 from tests.test_remote import remote_config
 from tests.workers import expected_value, fingerprint, key_of
 
-CLIENT_TTL_S = 10  # Mooncake drops a dead client's segment about this long after its death
-AFTER_S = 2 * CLIENT_TTL_S  # how long after the publisher's death another node pulls
+CLIENT_TTL_S = 2  # this master drops a dead client's segment about this long after its death
+AFTER_S = 6 * CLIENT_TTL_S  # how long after the publishers' death another node pulls
 
 
-@pytest.fixture
-def holder(shmcache_mooncake: MooncakeMaster) -> Iterator[MooncakeHolder]:
-    running = MooncakeHolder(shmcache_mooncake)
-    yield running
-    running.kill()
+def _short_ttl_master() -> MooncakeMaster:
+    """A master that forgets dead clients' segments after CLIENT_TTL_S (Mooncake's default: 10 s)."""
+    return MooncakeMaster(client_ttl_s=CLIENT_TTL_S)
 
 
 def publish_and_wait(config: CacheConfig, name: str, done: str) -> None:
@@ -39,25 +37,52 @@ def publish_and_wait(config: CacheConfig, name: str, done: str) -> None:
         time.sleep(600)
 
 
-def test_a_copy_outlives_the_worker_that_published_it(
-    shmcache_mooncake: MooncakeMaster, holder: MooncakeHolder, shmcache_namespace: str, tmp_path: Path
-) -> None:
-    node_a = remote_config(shmcache_namespace, shmcache_mooncake.address, remote_holder=holder.address)
-    done = tmp_path / "published"
-    worker = spawn(publish_and_wait, node_a, "voice", str(done))
-    wait_for(done.exists, timeout=60, what="the worker's publish")
-    kill(worker)
-    destroy_namespace(node_a.namespace)  # node A's shared memory is gone too: only the store has it
-    time.sleep(AFTER_S)
-    node_b = dataclasses.replace(node_a, namespace=f"node-b-{uuid.uuid4().hex[:10]}", remote_holder=None)
+def test_a_copy_outlives_the_worker_that_published_it(tmp_path: Path) -> None:
+    """Two workers publish and are SIGKILLed: a thin client of its node's holder, and (the
+    control, in a cluster of its own: Mooncake may place any client's object in any mounted
+    segment) one with its own segment. Long after, another node pulls the first value and must
+    compute the second."""
+    masters = [_short_ttl_master(), _short_ttl_master()]
+    holder = MooncakeHolder(masters[0])
+    thin = remote_config(f"node-a-{uuid.uuid4().hex[:10]}", masters[0].address, remote_holder=holder.address)
+    own = remote_config(f"node-o-{uuid.uuid4().hex[:10]}", masters[1].address)
+    readers = [
+        dataclasses.replace(config, namespace=f"node-b-{uuid.uuid4().hex[:10]}", remote_holder=None)
+        for config in (thin, own)
+    ]
     try:
-        with EmbeddingCache(node_b) as b:
+        workers = [
+            spawn(publish_and_wait, thin, "voice", str(tmp_path / "thin")),
+            spawn(publish_and_wait, own, "own-voice", str(tmp_path / "own")),
+        ]
+        for name in ("thin", "own"):
+            wait_for((tmp_path / name).exists, timeout=60, what=f"the {name} worker's publish")
+        for worker in workers:
+            kill(worker)
+        for config in (thin, own):
+            destroy_namespace(config.namespace)  # the nodes' shared memory is gone: only the store has it
+        time.sleep(AFTER_S)
+        with EmbeddingCache(readers[0]) as b, EmbeddingCache(readers[1]) as control:
             value = b.get_or_compute(key_of("voice"), lambda: pytest.fail("node B computed what A published"))
             assert fingerprint(value) == fingerprint(expected_value("voice", 1 << 20))
             assert b.stats()["hits_remote"] == 1
+            control.get_or_compute(key_of("own-voice"), lambda: expected_value("own-voice", 1 << 20))
+            stats = control.stats()
+            assert stats["computes"] == 1 and stats["hits_remote"] == 0, stats  # its segment is gone
             del value
     finally:
-        destroy_namespace(node_b.namespace)
+        holder.kill()
+        for master in masters:
+            master.kill()
+        for config in (thin, own, *readers):
+            destroy_namespace(config.namespace)
+
+
+@pytest.fixture
+def holder(shmcache_mooncake: MooncakeMaster) -> Iterator[MooncakeHolder]:
+    running = MooncakeHolder(shmcache_mooncake)
+    yield running
+    running.kill()
 
 
 def test_a_thin_client_pulls_and_publishes_through_the_holder(

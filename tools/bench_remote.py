@@ -2,12 +2,14 @@
 
     python -m tools.bench_remote [--rounds 5]
 
-Node A (one namespace) computes and publishes `rounds + 1` entries of 8 MiB and of 100 MiB. Node B
-(another namespace, one process, room for about two entries) gets them one after the other: each a
-node miss, one pull from the store under the reservation, verification and the seal. The first
-pull is not timed (it opens B's connection to A's segment and faults B's arena pages in); each
-later one reuses the memory of the one before, as a node in steady state does. "raw get_into" is a
-bare Mooncake client reading the same objects into registered, warm memory. "recompute" is a CPU
+Node A (one namespace) computes and publishes `rounds + 2` entries of 8 MiB and of 100 MiB. Node B
+(another namespace, one process, room for two entries) gets them one after the other: each a node
+miss, a size lookup and one transfer from the store under the reservation, verification and the
+seal. The first two pulls are not timed (they open B's connection to A's segment and fault B's
+arena pages in); each later one lands in memory an earlier one used, as in a node in steady
+state. "raw get_into" is a bare Mooncake client reading the same objects into registered, warm
+shared memory (sizes known beforehand); "raw get_size + get_into" adds the size lookup any reader of an
+object of unknown size makes. "recompute" is a CPU
 matmul forward with the same output size. Then a request of 64 small items (4 KiB each) on a fresh
 node B: one `try_reserve_many` (one batch pull) against 64 `get_or_compute` calls (64 single
 pulls). Everything runs on loopback against a real mooncake_master.
@@ -16,7 +18,9 @@ pulls). Everything runs on loopback against a real mooncake_master.
 from __future__ import annotations
 
 import argparse
+import mmap
 import statistics
+import tempfile
 import time
 import uuid
 
@@ -62,36 +66,56 @@ def _publish(a: EmbeddingCache, names: list[str], nbytes: int) -> None:
             time.sleep(0.01)
 
 
-def _raw_ms(raw: RemoteStore, prefix: str, names: list[str]) -> float:
-    """Median time of a bare `get_into` of each name into registered, warm memory."""
-    sizes = [raw.size_of(remote_key(prefix, key(name))) or 0 for name in names]
-    target = np.zeros(max(sizes), dtype=np.uint8)
-    raw.register(target.ctypes.data, target.nbytes)
-    times = []
-    for name, size in zip(names, sizes, strict=True):
-        t0 = time.perf_counter()
-        assert raw._client.get_into(remote_key(prefix, key(name)), target.ctypes.data, size) == size
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:]) * 1e3
-
-
-def _pull_ms(master: str, prefix: str, names: list[str], nbytes: int) -> float:
-    """Median time of node B's `get_or_compute` of each name (a node miss, a pull), after one
-    untimed pull; B has room for about two entries, so each pull reuses the last one's memory."""
+def _side_by_side(
+    raw: RemoteStore, master: str, prefix: str, names: list[str], nbytes: int
+) -> dict[str, float]:
+    """Per name, in turn (so both see the same noise; which goes first alternates): a bare
+    `get_size` + `get_into` into registered, warm shared memory (as the arena is: into anonymous
+    numpy memory it measured ~1.3x slower at 100 MiB), and node B's `get_or_compute` (a node
+    miss and a pull). Medians
+    after two untimed rounds; B has room for two entries, so each pull lands where an earlier one
+    did."""
     node_b = _config(f"bench-b-{uuid.uuid4().hex[:6]}", master, prefix, nbytes * 5 // 2, 16 << 20)
-    times = []
+    with tempfile.TemporaryFile(dir="/dev/shm") as backing:  # shared memory, as the arena is
+        backing.truncate(nbytes)
+        memory = mmap.mmap(backing.fileno(), nbytes)
+    target = np.frombuffer(memory, dtype=np.uint8)
+    target[:] = 1  # warm
+    address = int(target.ctypes.data)
+    raw.register(address, target.nbytes)
+    into, sized, pulls = [], [], []
     try:
         with EmbeddingCache(node_b) as b:
-            for name in names:
-                t0 = time.perf_counter()
-                value = b.get_or_compute(key(name), lambda: None)
-                times.append(time.perf_counter() - t0)
-                assert value is not None
-                del value
+            for i, name in enumerate(names):
+                stored = remote_key(prefix, key(name))
+
+                def bare(stored: str = stored) -> None:
+                    t0 = time.perf_counter()
+                    size = raw._client.get_size(stored)
+                    t1 = time.perf_counter()
+                    assert raw._client.get_into(stored, address, size) == size
+                    t2 = time.perf_counter()
+                    into.append(t2 - t1)
+                    sized.append(t2 - t0)
+
+                def pull(name: str = name) -> None:
+                    t0 = time.perf_counter()
+                    value = b.get_or_compute(key(name), lambda: None)
+                    pulls.append(time.perf_counter() - t0)
+                    assert value is not None
+
+                for step in (bare, pull) if i % 2 == 0 else (pull, bare):
+                    step()
             assert b.stats()["hits_remote"] == len(names)
     finally:
+        del target
+        memory.close()
         destroy_namespace(node_b.namespace)
-    return statistics.median(times[1:]) * 1e3
+    return {
+        "raw_get_into_ms": statistics.median(into[2:]) * 1e3,
+        "raw_get_size_get_into_ms": statistics.median(sized[2:]) * 1e3,
+        "cross_node_hit_ms": statistics.median(pulls[2:]) * 1e3,
+    }
 
 
 def run(rounds: int) -> list[dict[str, float | str]]:
@@ -103,7 +127,7 @@ def run(rounds: int) -> list[dict[str, float | str]]:
         master.address,
         prefix,
         largest * 3 // 2,
-        (rounds + 2) * largest * len(SIZES),
+        (rounds + 3) * largest * len(SIZES),
     )
     rows: list[dict[str, float | str]] = []
     try:
@@ -119,21 +143,21 @@ def run(rounds: int) -> list[dict[str, float | str]]:
                 lambda counter, n: None,
             )
             for label, nbytes in SIZES.items():
-                names = [f"{label}-{i}" for i in range(rounds + 1)]
+                names = [f"{label}-{i}" for i in range(rounds + 2)]
                 _publish(a, names, nbytes)
-                raw_ms = _raw_ms(raw, prefix, names)
-                pull_ms = _pull_ms(master.address, prefix, names, nbytes)
+                timed = _side_by_side(raw, master.address, prefix, names, nbytes)
                 compute_times = []
                 for _ in range(rounds):
                     t0 = time.perf_counter()
                     _forward(nbytes)
                     compute_times.append(time.perf_counter() - t0)
+                pull_ms = timed["cross_node_hit_ms"]
                 rows.append(
                     {
                         "size": label,
-                        "raw_get_into_ms": raw_ms,
-                        "cross_node_hit_ms": pull_ms,
-                        "speed_vs_raw": raw_ms / pull_ms,
+                        **timed,
+                        "speed_vs_raw": timed["raw_get_into_ms"] / pull_ms,
+                        "speed_vs_raw_sized": timed["raw_get_size_get_into_ms"] / pull_ms,
                         "recompute_ms": statistics.median(compute_times) * 1e3,
                     }
                 )
@@ -184,13 +208,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rows = run(args.rounds)
     print(
-        "| value | raw get_into | cross-node hit (miss, pull, verify, seal) | vs raw | recompute (matmul) |"
+        "| value | raw get_into | raw get_size + get_into | cross-node hit (miss, size, pull, "
+        "verify, seal) | vs raw get_into | vs raw get_size + get_into | recompute (matmul) |"
     )
-    print("|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for r in rows[:-1]:
         print(
-            f"| {r['size']} | {r['raw_get_into_ms']:.1f} ms | {r['cross_node_hit_ms']:.1f} ms "
-            f"| {r['speed_vs_raw']:.2f}x | {r['recompute_ms']:.1f} ms |"
+            f"| {r['size']} | {r['raw_get_into_ms']:.1f} ms | {r['raw_get_size_get_into_ms']:.1f} ms "
+            f"| {r['cross_node_hit_ms']:.1f} ms | {r['speed_vs_raw']:.2f}x | {r['speed_vs_raw_sized']:.2f}x "
+            f"| {r['recompute_ms']:.1f} ms |"
         )
     batch = rows[-1]
     print("\n| request | one batch pull (try_reserve_many) | single pulls (get_or_compute each) |")

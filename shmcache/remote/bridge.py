@@ -236,8 +236,9 @@ class RemoteBridge:
 
     def publish(self, key: EmbeddingCacheKey, sealed: SealedEntry) -> None:
         """Queue the publish of a freshly computed entry, pinned until the store has read it.
-        The lease we held for it (if any) is removed when the value will not be in the store
-        (dropped, failed): waiting nodes then take over at once, not at the lease's deadline."""
+        The lease we held for it (if any) is removed once the publish is over, stored or not:
+        waiting nodes then find the value, or take over at once, never at the lease's deadline
+        (a lease may sit in a segment that outlives us while our copy of the value does not)."""
         node, slot, gen = self._node, sealed.slot, sealed.gen
         held = self._leases.pop((slot, gen), None)
 
@@ -247,8 +248,7 @@ class RemoteBridge:
 
         def done(stored: bool) -> None:
             node.release([(slot, gen)])
-            if not stored:
-                unpublished()
+            unpublished()
 
         if not self.store.available:
             return  # the store does not answer: the lease cannot be removed either

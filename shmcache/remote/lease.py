@@ -6,15 +6,17 @@ node reservation of a key and found no copy in the store:
 
 1. puts `<value key>@lease` = its token (random id and deadline: now + `compute_timeout_s`) and
    reads the lease back. Its own token: it holds the lease and computes; the value is published
-   as every computed value is, and the lease is left to expire (a waiter finds the value first).
+   as every computed value is, and the lease is removed once that publish is over (the master
+   may have put the lease in a segment that outlives the holder, while the holder's copy of the
+   value dies with it: a lease left to expire would then hold every waiter to its deadline).
 2. Another token: it waits, looking for the value every 50 ms (each look is a pull), until that
    token's deadline; the node's other processes wait on its node reservation meanwhile.
 3. A deadline passed (the holder died or hangs) or a lease gone (a holder's own segment vanishes
    ~10 s after it dies): it overwrites the lease with its own token (`upsert`) and reads it back;
    its own token: it computes. A holder that dies mid-compute thus costs one takeover, bounded
    by `compute_timeout_s`; two waiters taking over at once may both compute (still one per node).
-4. A holder whose compute fails, or whose publish is dropped or fails, removes its lease, so a
-   waiter takes over at once.
+4. A holder whose compute fails, or whose publish is dropped or fails, removes its lease too, so
+   a waiter takes over at once.
 
 Any store error means "compute": node-local exactly-once never depends on the lease.
 """
@@ -60,12 +62,13 @@ def hold_or_wait(
     while held is not None and held != mine:
         deadline = _deadline(held)
         while time.time() < deadline:
-            value = pull()
+            gone = store.size_of(lease) is None  # looked up first: a holder removes its lease
+            value = pull()  # only after its publish is over, so a value stored is found now
             if value is not None:
                 return None, value
+            if gone:
+                break  # removed, the value not stored: take over
             time.sleep(POLL_S)
-            if store.size_of(lease) is None:
-                break  # removed (a failed holder): a master lookup, no transfer from its segment
         mine = _token(timeout_s)
         if not store.upsert_bytes(lease, mine):
             return mine, None

@@ -24,7 +24,10 @@ __all__ = ["MooncakeHolder", "MooncakeMaster"]
 class MooncakeMaster:
     """A real `mooncake_master` bound to 127.0.0.1 on free ports (never the HTTP metadata server)."""
 
-    def __init__(self, timeout: float = 20.0, attempts: int = 3) -> None:
+    def __init__(self, timeout: float = 20.0, attempts: int = 3, client_ttl_s: int | None = None) -> None:
+        """Start it; `client_ttl_s`: how long after a client's last heartbeat the master unmounts
+        its segment (Mooncake's default: 10 s)."""
+        self._ttl = [] if client_ttl_s is None else [f"--client_ttl={client_ttl_s}"]
         for attempt in range(attempts):
             self.port, self._metrics = free_port(), free_port()
             self.address = f"127.0.0.1:{self.port}"
@@ -47,6 +50,7 @@ class MooncakeMaster:
                     "--rpc_address=127.0.0.1",
                     "--metrics_host=127.0.0.1",
                     f"--metrics_port={self._metrics}",
+                    *self._ttl,
                 ],
                 stdout=subprocess.DEVNULL,
                 stderr=log,
