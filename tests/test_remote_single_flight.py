@@ -11,6 +11,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from shmcache import CacheConfig, EmbeddingCache, destroy_namespace
 from shmcache.testing import MooncakeMaster
 from tests.helpers import kill, spawn
@@ -20,8 +22,11 @@ from tests.workers import expected_value, fingerprint, key_of
 NODES = 3
 
 
-def node(config: CacheConfig, name: str, start: Any, results: Any, marks: str, slow_s: float) -> None:
-    """One node's worker: miss `name` together with the others; report (computed?, fingerprint)."""
+def node(
+    config: CacheConfig, name: str, start: Any, results: Any, marks: str, slow_s: float, batch: bool
+) -> None:
+    """One node's worker: miss `name` together with the others; report (computed?, fingerprint).
+    `batch`: as the encoder hook does, `try_reserve_many` first, then wait on the blocking path."""
     with EmbeddingCache(config) as cache:
         computed = []
 
@@ -32,14 +37,21 @@ def node(config: CacheConfig, name: str, start: Any, results: Any, marks: str, s
             return expected_value(name, 1 << 16)
 
         start.wait(60)
-        value = cache.get_or_compute(key_of(name), compute)
+        [res] = cache.try_reserve_many([key_of(name)]) if batch else [None]
+        if res is not None and res.value is not None:
+            value = res.value
+        elif res is not None:
+            with res:
+                value = res.commit(compute())
+        else:
+            value = cache.get_or_compute(key_of(name), compute)
         results.put((os.getpid(), bool(computed), fingerprint(value)))
         while cache.stats()["remote_publishes"] < int(bool(computed)):
             time.sleep(0.05)  # a node that computed stays until its value is published
 
 
 def _nodes(
-    master: MooncakeMaster, tmp_path: Path, slow_s: float, **extra: Any
+    master: MooncakeMaster, tmp_path: Path, slow_s: float, batch: bool = False, **extra: Any
 ) -> tuple[list[mp.process.BaseProcess], Any, list[str], Any]:
     ctx = mp.get_context("spawn")
     start, results = ctx.Barrier(NODES), ctx.Queue()
@@ -54,16 +66,18 @@ def _nodes(
             results,
             str(tmp_path),
             slow_s,
+            batch,
         )
         for ns in namespaces
     ]
     return procs, results, namespaces, start  # the barrier must outlive the children's start
 
 
+@pytest.mark.parametrize("batch", [False, True], ids=["get_or_compute", "try_reserve_many"])
 def test_three_nodes_that_miss_together_compute_once(
-    shmcache_mooncake: MooncakeMaster, tmp_path: Path
+    shmcache_mooncake: MooncakeMaster, tmp_path: Path, batch: bool
 ) -> None:
-    procs, results, namespaces, _start = _nodes(shmcache_mooncake, tmp_path, slow_s=1.0)
+    procs, results, namespaces, _start = _nodes(shmcache_mooncake, tmp_path, slow_s=1.0, batch=batch)
     try:
         got = [results.get(timeout=120) for _ in procs]
         for proc in procs:

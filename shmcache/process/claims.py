@@ -118,7 +118,8 @@ class Claims:
         self, keys: Sequence[EmbeddingCacheKey], needles: Sequence[bytes], request_id: RequestId | None
     ) -> list[Reservation | None]:
         """`claim` of every key without waiting; then the node misses we own are pulled from the
-        remote store in one batch (under their reservations)."""
+        remote store in one batch (under their reservations), and the rest leased (single flight):
+        one another node is computing is given back (None, as for a key another process holds)."""
         claims = [
             self.claim(key, needle, request_id, wait=False) for key, needle in zip(keys, needles, strict=True)
         ]
@@ -137,6 +138,9 @@ class Claims:
                 claims[i] = None  # no longer ours, not a value for us: as a key another process holds
             elif value is not None:
                 claims[i] = Reservation(None, keys[i], request_id, value=value)
+            elif not self.bridge.lease_now(owned[i]):
+                owned[i].withdraw()  # another node computes it: wait for it on the blocking path
+                claims[i] = None
         return claims
 
     def _pulled(self, res: Reservation) -> Reservation | None:

@@ -168,6 +168,18 @@ class RemoteBridge:
             self._leases[(reservation.slot, reservation.gen)] = (name, token)
         return value
 
+    def lease_now(self, reservation: Reservation) -> bool:
+        """For a node miss the store did not have, on the batch path: with cross-node single flight
+        on, take its lease without waiting; False if another node holds it (computing it)."""
+        if not self._single_flight or not self.store.available:
+            return True
+        name = remote_key(self._prefix, reservation.key)
+        token = lease.try_hold(self.store, name, self._lease_s)
+        if token is None:
+            return False
+        self._leases[(reservation.slot, reservation.gen)] = (name, token)
+        return True
+
     def end_lease(self, reservation: Reservation, *, failed: bool) -> None:
         """The reservation ended: forget its lease, and remove it if the compute failed (a
         waiting node then takes over at once instead of at the lease's deadline)."""

@@ -18,6 +18,9 @@ node reservation of a key and found no copy in the store:
 4. A holder whose compute fails, or whose publish is dropped or fails, removes its lease too, so
    a waiter takes over at once.
 
+`try_reserve_many` (the encoder hook's batch path) takes leases without waiting (`try_hold`): a
+key whose lease another node holds is given back by our node and waited for on the blocking path.
+
 Any store error means "compute": node-local exactly-once never depends on the lease.
 """
 
@@ -31,7 +34,7 @@ from typing import Final
 from shmcache.format.values import Value
 from shmcache.remote.store import RemoteStore
 
-__all__ = ["LEASE_SUFFIX", "hold_or_wait", "release"]
+__all__ = ["LEASE_SUFFIX", "hold_or_wait", "release", "try_hold"]
 
 LEASE_SUFFIX: Final = "@lease"
 POLL_S: Final = 0.05
@@ -74,6 +77,22 @@ def hold_or_wait(
             return mine, None
         held = _read(store, lease)
     return mine, None
+
+
+def try_hold(store: RemoteStore, name: str, timeout_s: float) -> bytes | None:
+    """Take the lease of `name` without waiting (the batch path): our token (compute), or None
+    when another node holds a live lease (wait for its value). Any store error means ours."""
+    lease = name + LEASE_SUFFIX
+    for put in (store.put_bytes, store.upsert_bytes):  # put; over an expired lease, upsert
+        mine = _token(timeout_s)
+        if not put(lease, mine):
+            return mine
+        held = _read(store, lease)
+        if held is None or held == mine:
+            return mine
+        if time.time() < _deadline(held):
+            return None
+    return None
 
 
 def _read(store: RemoteStore, lease: str) -> bytes | None:
