@@ -136,8 +136,12 @@ class RemoteBridge:
         if outcome is Transfer.TAINTED:
             self._tainted = True
             node.count(Counter.REMOTE_SET_ASIDE)
-            if not node.set_aside(slot, gen):
-                self._kept.append(reservation)  # pins ran out meanwhile: stays reserved till close
+            try:
+                set_aside = node.set_aside(slot, gen)
+            except Exception:  # a lock timeout: never let the caller's abandon free this memory
+                set_aside = False
+            if not set_aside:
+                self._kept.append(reservation)  # stays reserved (ours) until close
             return LOOK_AGAIN
         if outcome is Transfer.UNTOUCHED:
             return None
