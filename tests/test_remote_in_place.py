@@ -1,5 +1,6 @@
 """Pulls straight into node memory (a node with its own Mooncake segment): no staging copy, and a
-transfer that hangs sets its memory aside until it can no longer write there."""
+transfer that hangs sets its memory aside until it can no longer write there (freed as soon as
+the late transfer completes)."""
 
 from __future__ import annotations
 
@@ -75,8 +76,10 @@ def test_a_transfer_that_hangs_sets_its_memory_aside_until_it_ends(
             fillers = [f"filler-{i}" for i in range(4)]
             for name in fillers:  # they evict each other, never the memory set aside (first fit: 0)
                 b.put(key_of(name), expected_value(name, SIZE))
+            assert b.stats()["stale"] == 1  # the memory set aside
             os.kill(proc.pid, signal.SIGCONT)  # the transfer goes on, into the memory set aside
-            b.close()  # waits for that transfer to end; the detach then frees the memory
+            wait_for(lambda: b.stats()["stale"] == 0, timeout=60, what="the late transfer's end")
+            b.close()  # freed when the transfer completed, not only at the detach
             present = [name for name in fillers if reader.get(key_of(name)) is not None]
             assert present == fillers[-2:], present  # 2 of 3 entries' room: 1 was set aside
             for name in present:

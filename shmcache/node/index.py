@@ -199,20 +199,20 @@ class NodeIndex:
         try:
             with self.sections.stripe(slot // self.layout.ways):
                 record = self.slots.read(slot)
-                if record is None or not record.owned_by(self.client, gen):
-                    raise ReservationLost(f"reservation (slot {slot}, gen {gen}) was taken over")
-                pinned = True
-                try:
-                    if pins:
-                        self.pins.add(slot, gen, pins)
-                except CapacityError:
-                    pins, pinned = 0, False
-                if attachment is not None:
-                    self.attachments.put(slot, attachment)
-                sealed = self.reservations.seal_in(slot, gen, pins)
-                assert sealed is not None
-                self.reservations.release(slot)
-                return SealedEntry(slot, gen, sealed.offset, sealed.size, pinned, attachment)
+                if record is not None and record.owned_by(self.client, gen):
+                    pinned = True
+                    try:
+                        if pins:
+                            self.pins.add(slot, gen, pins)
+                    except CapacityError:
+                        pins, pinned = 0, False
+                    if attachment is not None:
+                        self.attachments.put(slot, attachment)
+                    sealed = self.reservations.seal_in(slot, gen, pins)
+                    assert sealed is not None
+                    self.reservations.release(slot)
+                    return SealedEntry(slot, gen, sealed.offset, sealed.size, pinned, attachment)
+            raise ReservationLost(f"reservation (slot {slot}, gen {gen}) was taken over")  # outside
         finally:
             self.reservations.release(slot)
 

@@ -124,23 +124,24 @@ class Claims:
             self.claim(key, needle, request_id, wait=False) for key, needle in zip(keys, needles, strict=True)
         ]
         owned = {i: res for i, res in enumerate(claims) if res is not None and res.owned}
-        if self.bridge is None or not owned:
+        bridge = self.bridge
+        if bridge is None or not owned:
             return claims
         try:
-            pulled = self.bridge.pull_many(list(owned.values()))
+            pulled = bridge.pull_many(list(owned.values()))
+            for i, value in zip(owned, pulled, strict=True):
+                if value is LOOK_AGAIN:
+                    claims[i] = None  # no longer ours, not a value for us: as a key another process holds
+                elif value is not None:
+                    claims[i] = Reservation(None, keys[i], request_id, value=value)
+                elif not bridge.lease_now(owned[i]):
+                    owned[i].withdraw()  # another node computes it: wait for it on the blocking path
+                    claims[i] = None
         except BaseException:
             for res in owned.values():
-                if res.owned:
+                if res.owned and not bridge.keeps(res):
                     res.abandon("pulling from the remote store failed")
             raise
-        for i, value in zip(owned, pulled, strict=True):
-            if value is LOOK_AGAIN:
-                claims[i] = None  # no longer ours, not a value for us: as a key another process holds
-            elif value is not None:
-                claims[i] = Reservation(None, keys[i], request_id, value=value)
-            elif not self.bridge.lease_now(owned[i]):
-                owned[i].withdraw()  # another node computes it: wait for it on the blocking path
-                claims[i] = None
         return claims
 
     def _pulled(self, res: Reservation) -> Reservation | None:
@@ -152,7 +153,8 @@ class Claims:
         try:
             pulled = self.bridge.pull_or_lease(res)
         except BaseException:
-            res.abandon("pulling from the remote store failed")
+            if not self.bridge.keeps(res):
+                res.abandon("pulling from the remote store failed")
             raise
         if pulled is LOOK_AGAIN:
             return None

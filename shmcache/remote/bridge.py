@@ -19,7 +19,8 @@ import logging
 import mmap
 import threading
 from collections.abc import Sequence
-from typing import Final
+from concurrent.futures import Future
+from typing import Any, Final
 
 import numpy as np
 
@@ -81,6 +82,7 @@ class RemoteBridge:
         self._leases: dict[tuple[int, int], tuple[str, bytes]] = {}  # (slot, gen) -> (name, token)
         self._tainted = False  # a transfer into the arena failed: its memory is set aside
         self._kept: list[Reservation] = []  # tainted, and no pin to set it aside: kept till close
+        self._closing, self._closed = threading.Lock(), False
 
     @classmethod
     def open(cls, config: CacheConfig, node: NodeIndex, arena: mmap.mmap, views: Views) -> RemoteBridge:
@@ -101,6 +103,8 @@ class RemoteBridge:
         """Finish queued publishes (they hold pins), then disconnect. After a failed transfer into
         the arena, wait (up to `DRAIN_S`) for calls still running: the set-aside memory is freed
         when this process detaches, and no transfer may write it then."""
+        with self._closing:
+            self._closed = True  # late calls ending from here on leave their memory to the detach
         closed = self.store.close(drain_s=DRAIN_S if self._tainted else 0.0)
         if not closed and self._tainted:
             log.error("shmcache: a Mooncake transfer into node memory is still running at close")
@@ -132,16 +136,14 @@ class RemoteBridge:
         set the extent aside if the transfer fails); `CapacityError` if the arena has no room."""
         node, slot, gen = self._node, reservation.slot, reservation.gen
         offset = node.allocate(slot, gen, size)
-        outcome = self.store.fetch_into(name, self._arena_address + offset, size)
+        stuck: list[Future[Any]] = []
+        try:
+            outcome = self.store.fetch_into(name, self._arena_address + offset, size, stuck.append)
+        except BaseException:  # interrupted while the transfer may go on
+            self._set_aside(reservation, None, size)
+            raise
         if outcome is Transfer.TAINTED:
-            self._tainted = True
-            node.count(Counter.REMOTE_SET_ASIDE)
-            try:
-                set_aside = node.set_aside(slot, gen)
-            except Exception:  # a lock timeout: never let the caller's abandon free this memory
-                set_aside = False
-            if not set_aside:
-                self._kept.append(reservation)  # stays reserved (ours) until close
+            self._set_aside(reservation, stuck[0] if stuck else None, size)
             return LOOK_AGAIN
         if outcome is Transfer.UNTOUCHED:
             return None
@@ -159,6 +161,36 @@ class RemoteBridge:
         key, request_id = reservation.key, reservation.request_id
         value = self._views.deliver(key, needle_of(key), sealed, request_id)
         return LOOK_AGAIN if value is None else value
+
+    def _set_aside(self, reservation: Reservation, call: Future[Any] | None, size: int) -> None:
+        """A transfer into the reservation's extent failed or was not waited for: set the
+        reservation aside (kept reserved till close if that cannot be done). If the call that
+        outlived its wait later completes the whole transfer, nothing writes there any more and
+        the memory is freed then; otherwise at detach."""
+        node, slot, gen = self._node, reservation.slot, reservation.gen
+        self._tainted = True
+        node.count(Counter.REMOTE_SET_ASIDE)
+        try:
+            set_aside = node.set_aside(slot, gen)
+        except Exception:  # a lock timeout: never let the caller's abandon free this memory
+            set_aside = False
+        if not set_aside:
+            self._kept.append(reservation)  # stays reserved (ours) until close
+        elif call is not None:
+            call.add_done_callback(lambda done: self._transfer_ended(done, slot, gen, size))
+
+    def _transfer_ended(self, call: Future[Any], slot: int, gen: int, size: int) -> None:
+        """A set-aside extent's late call returned: free it if the whole transfer completed (a
+        failed one may leave slices in flight: that memory waits for the detach)."""
+        with self._closing:
+            if self._closed or call.cancelled() or call.exception() is not None or call.result() != size:
+                return
+            self._node.release([(slot, gen)])
+
+    def keeps(self, reservation: Reservation) -> bool:
+        """Whether a failed transfer's memory keeps `reservation` reserved until close: it must not
+        be abandoned (its extent would be handed out while the transfer may still write)."""
+        return any(kept is reservation for kept in self._kept)
 
     def pull_or_lease(self, reservation: Reservation) -> Pulled:
         """`pull`; on a miss, with cross-node single flight on, take the key's lease in the store

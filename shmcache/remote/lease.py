@@ -76,6 +76,10 @@ def hold_or_wait(
         if not store.upsert_bytes(lease, mine):
             return mine, None
         held = _read(store, lease)
+    value = pull()  # a holder that published and removed its lease just before we put ours
+    if value is not None:
+        release(store, name, mine)
+        return None, value
     return mine, None
 
 

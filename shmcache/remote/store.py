@@ -160,10 +160,11 @@ class RemoteStore:
     def available(self) -> bool:
         return self.health.up and self._client is not None
 
-    def _call(self, method: str, *args: Any) -> Any:
+    def _call(self, method: str, *args: Any, stuck: Callable[[Future[Any]], None] | None = None) -> Any:
         """`client.method(*args)` (a return code, or a list of them), waiting at most `timeout_s`.
         An outage begins when the master is gone (None) or does not answer in time (`TIMED_OUT`:
-        the call goes on in its thread and may still write into the memory it was given)."""
+        the call goes on in its thread and may still write into the memory it was given; its
+        future is handed to `stuck`)."""
         client = self._client
         if client is None:
             return None
@@ -172,6 +173,8 @@ class RemoteStore:
             result = future.result(self._timeout)
         except FutureTimeout:
             self._stuck.append(future)
+            if stuck is not None:
+                stuck(future)
             self.health.down(f"no answer from Mooncake master {self.master} in {self._timeout} s")
             return TIMED_OUT
         except RuntimeError:  # the executor is shut down: closing
@@ -227,9 +230,12 @@ class RemoteStore:
             start <= address and address + nbytes <= start + length for start, length in self._registered
         )
 
-    def fetch_into(self, name: str, address: int, size: int) -> Transfer:
-        """`get_into` of the `size` stored bytes of `name` at `address` (registered memory)."""
-        rc = self._call("get_into", name, address, size)
+    def fetch_into(
+        self, name: str, address: int, size: int, stuck: Callable[[Future[Any]], None] | None = None
+    ) -> Transfer:
+        """`get_into` of the `size` stored bytes of `name` at `address` (registered memory); a
+        call that outlived its wait is handed to `stuck` (TAINTED)."""
+        rc = self._call("get_into", name, address, size, stuck=stuck)
         if rc == size:
             return Transfer.DONE
         if not _taints(rc):
