@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from shmcache import CacheConfig, EmbeddingCache, destroy_namespace
+from shmcache.errors import InvalidConfig
 from shmcache.testing import MooncakeHolder, MooncakeMaster
 from tests.helpers import kill, spawn, wait_for
 from tests.test_remote import remote_config
@@ -103,3 +104,9 @@ def test_a_thin_client_pulls_and_publishes_through_the_holder(
             del got
     finally:
         destroy_namespace(thin.namespace)
+
+
+@pytest.mark.parametrize("ttl", [0, -1, 2.5, True, "2"])
+def test_a_bad_client_ttl_is_refused_before_anything_starts(ttl: object) -> None:
+    with pytest.raises(InvalidConfig, match="client_ttl_s"):
+        MooncakeMaster(client_ttl_s=ttl)  # type: ignore[arg-type]

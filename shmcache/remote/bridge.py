@@ -5,11 +5,12 @@ With its own segment, this process pulls straight into the reservation's extent 
 (not yet visible to anyone), verifies it there (entry header and value format) and seals it
 through the node's fenced seal: no copy. A transfer that failed or timed out may still write into
 that extent after the call returned, so the reservation is *set aside* (slots.py): the memory
-stays out of the allocator's hands until this process detaches or dies, and the caller looks
-the key up again. A thin client of the node's holder can only transfer through the holder's
-pool: its pulls land in a pool buffer and are copied after verification. Many misses of one
-request are pulled in one `batch_get_into` (`pull_many`, through the pull buffer). A publish pins
-the entry until the store has read it, and never blocks (store.py's bounded queue).
+stays out of the allocator's hands until the late call completes the whole transfer, or else
+until this process detaches or dies; the caller looks the key up again. A thin client of the
+node's holder can only transfer through the holder's pool: its pulls land in a pool buffer and
+are copied after verification. Many misses of one request are pulled in one `batch_get_into`
+(`pull_many`, through the pull buffer). A publish pins the entry until the store has read it,
+and never blocks (store.py's bounded queue).
 """
 
 from __future__ import annotations

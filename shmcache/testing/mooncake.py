@@ -16,6 +16,7 @@ import tempfile
 import time
 import urllib.request
 
+from shmcache.errors import InvalidConfig
 from shmcache.remote.store import free_port
 
 __all__ = ["MooncakeHolder", "MooncakeMaster"]
@@ -27,6 +28,8 @@ class MooncakeMaster:
     def __init__(self, timeout: float = 20.0, attempts: int = 3, client_ttl_s: int | None = None) -> None:
         """Start it; `client_ttl_s`: how long after a client's last heartbeat the master unmounts
         its segment (Mooncake's default: 10 s)."""
+        if client_ttl_s is not None and (type(client_ttl_s) is not int or client_ttl_s < 1):
+            raise InvalidConfig(f"client_ttl_s must be a whole number of seconds >= 1, got {client_ttl_s!r}")
         self._ttl = [] if client_ttl_s is None else [f"--client_ttl={client_ttl_s}"]
         for attempt in range(attempts):
             self.port, self._metrics = free_port(), free_port()
