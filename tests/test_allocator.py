@@ -64,7 +64,7 @@ def test_the_allocator_never_sees_an_entry_whose_record_is_rewritten_as_free(
     with EmbeddingCache(config) as cache:
         cache.put(key_of("hot"), expected_value("hot"))
         node = cache._node
-        info = node.lookup(needle_of(key_of("hot")), pins=0)
+        info = node.lookups.lookup(needle_of(key_of("hot")), 0)
         assert info is not None and info.offset == 0  # the first entry: the gap before it is none
         ready, stop = tmp_path / "ready", tmp_path / "stop"
         churner = spawn(workers.churn_refs, config, "hot", str(ready), str(stop))

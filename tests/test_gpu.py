@@ -81,7 +81,7 @@ def test_route_table(
 
 
 def _slot_info(cache: EmbeddingCache, name: str) -> SealedEntry:
-    info = cache._node.lookup(needle_of(key_of(name)), pins=0)
+    info = cache._node.lookups.lookup(needle_of(key_of(name)), 0)
     assert info is not None
     return info
 

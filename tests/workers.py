@@ -187,7 +187,7 @@ def churn_refs(config: CacheConfig, name: str, ready: str, stop: str) -> None:
 
     with EmbeddingCache(config) as cache:
         node = cache._node
-        info = node.lookup(needle_of(key_of(name)), pins=0)
+        info = node.lookups.lookup(needle_of(key_of(name)), 0)
         assert info is not None
         Path(ready).touch()
         while not Path(stop).exists():

@@ -1,21 +1,26 @@
 """Randomised multi-process stress with random SIGKILLs, and a checker.
 
-Workers mix get_or_compute / get / put / cleanup_request over a small key set, hold views for a
+Workers mix get_or_compute / get / put / cleanup_request over a small key set (`--workload
+mixed`), or do nothing but batched reads, `get_many` and `contains_many` (`--workload reads`: the
+native hit path, killed inside its calls; a miss is filled with `put`); they hold views for a
 while and re-verify them before dropping them, and fail computes at random. The parent SIGKILLs a
 random worker every `kill_every` seconds and starts a new one. The checker verifies every value
 returned (and every held view, again later) against the expected bytes, and counts concurrent
 computes of one key on the node (there must be none: one forward per key per node).
 
     python -m tools.stress --seconds 300 --workers 6      # a long run; tests run it for ~20 s
+    python -m tools.stress --workload reads --workers 8 --kill-every 0.3
 """
 
 from __future__ import annotations
 
 import argparse
+import enum
 import json
 import multiprocessing as mp
 import os
 import random
+import shutil
 import signal
 import sys
 import tempfile
@@ -40,6 +45,13 @@ from shmcache import (
 from shmcache.testing import sample_preprocessing
 
 
+class Workload(enum.Enum):
+    """What the stress workers do."""
+
+    MIXED = "mixed"  # get_or_compute, get, put, cleanup_request
+    READS = "reads"  # get_many and contains_many of batches (a miss is filled with put)
+
+
 def key(i: int) -> EmbeddingCacheKey:
     return EmbeddingCacheKey.from_raw_bytes(f"input-{i}".encode(), sample_preprocessing(), modality="image")
 
@@ -62,8 +74,9 @@ def _alive(pid: int) -> bool:
 class _Worker:
     """One stress process's state: its random stream, the views it holds and where it reports."""
 
-    def __init__(self, n_keys: int, seed: int, report: str, owners: Any) -> None:
+    def __init__(self, n_keys: int, seed: int, report: str, owners: Any, workload: Workload) -> None:
         self.rng = random.Random(seed)
+        self.workload = workload
         self.pid = os.getpid()
         self.n_keys, self.report, self.owners = n_keys, report, owners
         self.held: list[tuple[int, torch.Tensor]] = []
@@ -87,31 +100,44 @@ class _Worker:
             raise ValueError("injected compute failure")
         return expected(i)
 
-    def call(self, cache: EmbeddingCache, i: int, request: str | None) -> torch.Tensor | None:
-        """One random call on key i: get_or_compute, get or put."""
+    def call(
+        self, cache: EmbeddingCache, i: int, request: str | None
+    ) -> list[tuple[int, torch.Tensor | None]]:
+        """One random call on key i (MIXED: get_or_compute, get or put), or on a batch from i
+        (READS): the values returned, by key."""
         roll = self.rng.random()
-        value: torch.Tensor | None = None
+        if self.workload is Workload.READS:
+            batch = [(i + n) % self.n_keys for n in range(self.rng.randrange(1, 17))]
+            if roll < 0.2:
+                cache.contains_many([key(j) for j in batch])
+                return []
+            found = list(zip(batch, cache.get_many([key(j) for j in batch], request_id=request), strict=True))
+            for j, value in found:
+                if value is None:
+                    cache.put(key(j), expected(j))
+            return found
         if roll < 0.7:
-            value = cache.get_or_compute(key(i), lambda: self.compute(i), request_id=request)
-        elif roll < 0.85:
-            value = cache.get(key(i), request_id=request)
-        else:
-            cache.put(key(i), expected(i), request_id=request)
-        return value
+            return [(i, cache.get_or_compute(key(i), lambda: self.compute(i), request_id=request))]
+        if roll < 0.85:
+            return [(i, cache.get(key(i), request_id=request))]
+        cache.put(key(i), expected(i), request_id=request)
+        return []
 
     def step(self, cache: EmbeddingCache) -> None:
         rng = self.rng
         i = rng.randrange(16) if rng.random() < 0.5 else rng.randrange(self.n_keys)  # a hot set
         request = f"r{rng.randrange(3)}" if rng.random() < 0.5 else None
         try:
-            value = self.call(cache, i, request)
+            found = self.call(cache, i, request)
         except (ComputeFailed, ValueError, ComputeTimeout, CapacityError):
             return
-        if value is not None:
-            if not torch.equal(value, expected(i)):
-                self.violation("wrong-value", f"key {i}")
+        for j, value in found:
+            if value is None:
+                continue
+            if not torch.equal(value, expected(j)):
+                self.violation("wrong-value", f"key {j}")
             if rng.random() < 0.3:
-                self.held.append((i, value))
+                self.held.append((j, value))
         if len(self.held) > 8 or (self.held and rng.random() < 0.2):
             j, view = self.held.pop(rng.randrange(len(self.held)))
             if not torch.equal(view, expected(j)):
@@ -120,10 +146,13 @@ class _Worker:
             cache.cleanup_request(request)
 
 
-def worker(config: CacheConfig, n_keys: int, seed: int, deadline: float, report: str, owners: Any) -> None:
+def worker(
+    config: CacheConfig, n_keys: int, seed: int, deadline: float, report: str, owners: Any, workload: Workload
+) -> None:
     """One stress process. Appends violations (one JSON object a line) to `report`."""
-    state = _Worker(n_keys, seed, report, owners)
+    state = _Worker(n_keys, seed, report, owners, workload)
     cache = EmbeddingCache(config)
+    Path(report).with_name(f"ready.{os.getpid()}").touch()  # attached: from now on it may be killed
     while time.time() < deadline:
         state.step(cache)
     state.held.clear()
@@ -145,10 +174,10 @@ def _config(namespace: str) -> CacheConfig:
     )
 
 
-def _kill_one(procs: Sequence[BaseProcess], started: dict[int, float], rng: random.Random) -> bool:
-    """SIGKILL a random live worker past start-up (spawn + imports take seconds here) and reap it;
-    False if there is none."""
-    alive = [p for p in procs if p.is_alive() and time.time() - started[p.pid or 0] > 3.0]
+def _kill_one(procs: Sequence[BaseProcess], report: Path, rng: random.Random) -> bool:
+    """SIGKILL a random live worker past start-up (it attached: spawn + imports take seconds here)
+    and reap it; False if there is none."""
+    alive = [p for p in procs if p.is_alive() and report.with_name(f"ready.{p.pid}").exists()]
     if not alive:
         return False
     victim = rng.choice(alive)
@@ -166,7 +195,14 @@ def _violations(report: Path, stats: dict[str, int]) -> list[dict[str, Any]]:
     return violations
 
 
-def run(seconds: float, workers: int, kill_every: float, n_keys: int = 400, seed: int = 0) -> dict[str, Any]:
+def run(
+    seconds: float,
+    workers: int,
+    kill_every: float,
+    n_keys: int = 400,
+    seed: int = 0,
+    workload: Workload = Workload.MIXED,
+) -> dict[str, Any]:
     """Run the stress test; returns a summary with the violations found (empty when all is well)."""
     ctx = mp.get_context("spawn")
     namespace = f"stress-{uuid.uuid4().hex[:8]}"
@@ -178,14 +214,12 @@ def run(seconds: float, workers: int, kill_every: float, n_keys: int = 400, seed
     deadline = time.time() + seconds
     observer = EmbeddingCache(config)  # keeps the namespace alive across kills
     procs = []
-    started: dict[int, float] = {}
 
     def start() -> None:
-        args = (config, n_keys, rng.randrange(1 << 30), deadline, str(report), owners)
+        args = (config, n_keys, rng.randrange(1 << 30), deadline, str(report), owners, workload)
         proc = ctx.Process(target=worker, args=args, daemon=True)
         proc.start()
         procs.append(proc)
-        started[proc.pid or 0] = time.time()
 
     for _ in range(workers):
         start()
@@ -193,7 +227,7 @@ def run(seconds: float, workers: int, kill_every: float, n_keys: int = 400, seed
     try:
         while time.time() < deadline - 1.0:
             time.sleep(max(0.0, min(rng.uniform(0.5, 1.5) * kill_every, deadline - 1.0 - time.time())))
-            if _kill_one(procs, started, rng):
+            if _kill_one(procs, report, rng):
                 kills += 1
                 start()
         for proc in procs:
@@ -208,8 +242,7 @@ def run(seconds: float, workers: int, kill_every: float, n_keys: int = 400, seed
                 proc.join(10)
         observer.close()
         destroy_namespace(namespace)
-        report.unlink(missing_ok=True)
-        report.parent.rmdir()
+        shutil.rmtree(report.parent)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -221,8 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kill-every", type=float, default=1.0, help="mean seconds between SIGKILLs")
     parser.add_argument("--keys", type=int, default=400)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workload", choices=[w.value for w in Workload], default=Workload.MIXED.value)
     args = parser.parse_args(argv)
-    summary = run(args.seconds, args.workers, args.kill_every, args.keys, args.seed)
+    summary = run(args.seconds, args.workers, args.kill_every, args.keys, args.seed, Workload(args.workload))
     print(json.dumps(summary, indent=2, default=str))
     return 1 if summary["violations"] else 0
 

@@ -9,12 +9,11 @@ the fold and the row being folded; the next node-section holder restores and red
 from __future__ import annotations
 
 import struct
-import threading
 from collections.abc import Callable
 
 import numpy as np
 
-from shmcache.node import crashpoints
+from shmcache.node import _native, crashpoints
 from shmcache.node.crashpoints import CrashPoint
 from shmcache.node.layout import (
     C_COUNTERS,
@@ -23,7 +22,6 @@ from shmcache.node.layout import (
     H_RETIRED,
     N_COUNTERS,
     Counter,
-    IndexBuffer,
     Layout,
 )
 
@@ -35,36 +33,23 @@ _I32 = struct.Struct("<i")
 class Counters:
     """The counter records of one mapped index; `bind` selects this process's record."""
 
-    def __init__(self, idx: memoryview, layout: Layout, buf: IndexBuffer) -> None:
-        self._idx = idx
+    def __init__(self, idx: memoryview, layout: Layout, native: _native.Index) -> None:
+        self._idx, self._native = idx, native
         self.all = np.ndarray(
             (layout.clients, N_COUNTERS),
             "<u8",
-            buffer=buf,
+            buffer=idx,
             offset=layout.clients_off + C_COUNTERS,
             strides=(layout.client_size, 8),
         )
-        self.retired = np.ndarray((N_COUNTERS,), "<u8", buffer=buf, offset=H_RETIRED)
-        self._journal = np.ndarray((N_COUNTERS,), "<u8", buffer=buf, offset=H_JOURNAL)
+        self.retired = np.ndarray((N_COUNTERS,), "<u8", buffer=idx, offset=H_RETIRED)
+        self._journal = np.ndarray((N_COUNTERS,), "<u8", buffer=idx, offset=H_JOURNAL)
         self._layout = layout
-        self._mine: memoryview | None = None
-        self._lock = threading.Lock()
-
-    def bind(self, row: int | None) -> None:
-        """Count into client record `row` from now on (None: stop counting)."""
-        if row is None:
-            self._mine = None
-            return
-        off = self._layout.client_off(row) + C_COUNTERS
-        self._mine = self._idx[off : off + 8 * N_COUNTERS].cast("Q")
 
     def count(self, counter: Counter, n: int = 1) -> None:
-        """Add `n` to this process's `counter`."""
-        mine = self._mine
-        if mine is None:
-            return
-        with self._lock:
-            mine[counter] += n
+        """Add `n` to this process's `counter` (the native handle's bound client record; nothing
+        while detached)."""
+        self._native.count(counter, n)
 
     def totals(self, claimed: np.ndarray) -> dict[str, int]:
         """Node-wide totals: the records of the `claimed` rows plus the retired totals."""

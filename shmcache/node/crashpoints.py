@@ -1,7 +1,9 @@
 """The crash-point table, as data: where a process may die, what it leaves, what repairs it.
 
-Every row names a hook in the code (`reached(point)`), so a test can SIGKILL a real process at
-exactly that point (`arm(point)` in that process) and the table and the tests cannot drift apart:
+Every row names a hook in the code (`reached(point)` here, `reached(POINT_...)` in native.c for the
+points the native transactions pass: in-stripe-section, slot-record-torn, holding-pins), so a test
+can SIGKILL a real process at exactly that point (`arm(point)` in that process, which arms both)
+and the table and the tests cannot drift apart:
 tests/test_crash_points.py runs one crash test per row. A process that is not armed pays one
 comparison per hook.
 """
@@ -15,9 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
+from shmcache.node import _native
 from shmcache.node.layout import Counter
 
-__all__ = ["CRASH_POINTS", "CrashPoint", "CrashRow", "Survivor", "arm", "armed", "reached"]
+__all__ = ["CRASH_POINTS", "CrashPoint", "CrashRow", "Survivor", "arm", "reached"]
 
 
 class CrashPoint(enum.Enum):
@@ -137,11 +140,7 @@ def arm(point: CrashPoint | None) -> None:
     """Make this process SIGKILL itself when it next reaches `point` (None disarms)."""
     global _armed
     _armed = point
-
-
-def armed() -> CrashPoint | None:
-    """The point this process is armed for, if any."""
-    return _armed
+    _native.arm(None if point is None else point.value)  # the points native.c reaches
 
 
 def reached(point: CrashPoint, tear: Callable[[], None] | None = None) -> None:

@@ -7,7 +7,8 @@ protocol (reservations.py), the repairs (repair.py) and the crash-point table (c
 docs/design.md has the why.
 
 Transactions (each takes the sections it needs, in the lock order node → one stripe):
-`lookup` (find and pin a sealed entry), `reserve` (a hit, our reservation, someone else's, or no
+`lookups` (lookups.py: find and pin sealed entries, existence and repeat-hit checks, natively),
+`reserve` (a hit, our reservation, someone else's, or no
 room), `commit` (allocate, write, seal: one path for computed and pulled values), `abandon`,
 `adopt` / `let_go` (hand a reservation to another process), `release` (drop pins), `add_ref`,
 `drop`, `reap`, `attach` and `detach`.
@@ -27,6 +28,7 @@ from shmcache.node.clients import ClientIdentity, ClientTable
 from shmcache.node.counters import Counters
 from shmcache.node.crashpoints import CrashPoint
 from shmcache.node.layout import MAGIC, Counter, Header
+from shmcache.node.lookups import Lookups
 from shmcache.node.pins import PinTable
 from shmcache.node.repair import Repairs
 from shmcache.node.reservations import Claim, ClaimKind, Reservations
@@ -48,21 +50,22 @@ class NodeIndex:
         buf = segments.index
         self.ttl: float | None = Header.read(buf).ttl or None
         self.capacity = segments.capacity
-        self.slots = SlotTable(idx, layout, buf, self.ttl)
-        self.pins = PinTable(idx, layout, buf)
+        self.native = native = layout.native(buf, segments.sems.semid, self.ttl, lock_timeout)
+        self.slots = SlotTable(idx, layout, native, self.ttl)
+        self.pins = PinTable(idx, layout, native)
         self.clients = ClientTable(idx, layout, buf, segments.sems)
-        self.counters = Counters(idx, layout, buf)
+        self.counters = Counters(idx, layout, native)
         self.attachments = AttachmentTable(idx, layout, buf)
         self.sections = Sections(
             idx,
             layout,
-            segments.sems,
-            lock_timeout,
+            native,
             repair_stripe=lambda stripe: self.repairs.stripe(stripe),
             repair_node=lambda: self.repairs.node(),
         )
         self.reservations = Reservations(self.slots, segments.sems, self.counters, self.attachments)
         self.repairs = Repairs(self, self.capacity)
+        self.lookups = Lookups(native, self.sections, self.repairs.quarantine, self.stripe_of)
         self.slots.on_damaged = self.repairs.quarantine
         self.allocator = Allocator(
             self.slots, self.sections, self.counters, self.capacity, self.reservations.owner_alive
@@ -79,15 +82,14 @@ class NodeIndex:
             if row is None:
                 raise CapacityError(f"all {self.layout.clients} client records are in use (max_clients)")
             self.client = self.reservations.client = row
-            self.pins.bind(row)
-            self.counters.bind(row)
+            self.native.bind(row)  # our pins and counters
             self.repairs.reap_dead()
 
     def detach(self) -> None:
         """Release every pin of this client, fold its counters, free its record."""
         self.release([entry for entry, count in self.pins.held().items() for _ in range(count)])
         with self.sections.node():
-            self.counters.bind(None)
+            self.native.bind(-1)
             self.counters.retire(self.client, self.clients.clear)
             self.clients.release(self.client)
         self.client = -1
@@ -95,46 +97,6 @@ class NodeIndex:
     # ------------------------------------------------------------------ lookups
     def stripe_of(self, needle: bytes) -> int:
         return int.from_bytes(needle[16:24], "little") % self.layout.stripes
-
-    def lookup(self, needle: bytes, pins: int) -> SealedEntry | None:
-        """A sealed, unexpired entry for `needle`, pinned `pins` times; None on a miss."""
-        stripe = self.stripe_of(needle)
-        with self.sections.stripe(stripe):
-            return self._hit_in(stripe, needle, time.monotonic(), pins)
-
-    def _hit_in(self, stripe: int, needle: bytes, now: float, pins: int) -> SealedEntry | None:
-        table = self.slots
-        for slot in table.find(stripe, needle):
-            record = table.read(slot)
-            if record is None or record.state != SlotState.SEALED:
-                continue
-            if table.expired(slot, now):  # a miss from now on, freed at its last release
-                table.write(slot, record.state, record.retired())
-                if not record.refs:
-                    self.counters.count(Counter.EVICTIONS_TTL)
-                continue
-            if pins:
-                self.pins.add(slot, record.gen, pins)
-                table.write(slot, record.state, record.with_refs(record.refs + pins))
-                crashpoints.reached(CrashPoint.HOLDING_PINS)
-            table.touch(slot, now)
-            return SealedEntry(
-                slot,
-                record.gen,
-                record.offset,
-                record.size,
-                attachment=self.attachments.get(slot, record.gen),
-            )
-        return None
-
-    def is_live(self, slot: int, gen: int, now: float) -> bool:
-        """Lock-free check for a repeat hit: (slot, gen) is still sealed and unexpired."""
-        state, current = self.slots.state_and_gen(slot)
-        return state == SlotState.SEALED and current == gen and not self.slots.expired(slot, now)
-
-    def touch(self, slot: int, now: float) -> None:
-        """Record an access of `slot` for LRU and TTL (lock-free, approximate by design)."""
-        self.slots.touch(slot, now)
 
     def entry_state(self, slot: int, gen: int) -> tuple[bool, int]:
         """(entry (slot, gen) is still indexed, its references), read without a lock."""
@@ -148,7 +110,7 @@ class NodeIndex:
         stripe = self.stripe_of(needle)
         now = time.monotonic()
         with self.sections.stripe(stripe):
-            hit = self._hit_in(stripe, needle, now, pins)
+            hit = self.lookups.hit_in(stripe, needle, now, pins)
             if hit is not None:
                 return Claim(ClaimKind.HIT, hit.slot, hit.gen, hit=hit)
             claim = self.reservations.claim_in(stripe, needle, meta, now)
@@ -258,26 +220,17 @@ class NodeIndex:
 
     # ------------------------------------------------------------------ references and attachments
     def release(self, pins: list[tuple[int, int]]) -> None:
-        """Drop one pin per (slot, gen) listed, one stripe section per stripe touched; an
-        unreferenced STALE entry is freed right there."""
-        by_stripe: dict[int, dict[tuple[int, int], int]] = {}
-        for slot, gen in pins:
-            counts = by_stripe.setdefault(slot // self.layout.ways, {})
-            counts[(slot, gen)] = counts.get((slot, gen), 0) + 1
-        for stripe, counts in sorted(by_stripe.items()):
-            with self.sections.stripe(stripe):
-                for (slot, gen), count in counts.items():
-                    self._unpin_in(slot, gen, count)
-
-    def _unpin_in(self, slot: int, gen: int, count: int) -> None:
-        taken = self.pins.remove(slot, gen, count)
-        record = self.slots.read(slot)
-        if taken == 0 or record is None or not record.is_entry(gen):
-            return
-        updated = record.with_refs(max(0, record.refs - taken))
-        if updated.state == SlotState.EMPTY:
-            self.counters.count(Counter.EVICTIONS_TTL)
-        self.slots.write(slot, record.state, updated)
+        """Drop one pin per (slot, gen) listed, one native stripe section per stripe touched; an
+        unreferenced STALE entry is freed right there. Stripes that need a repair (and damaged
+        records) are finished on the locked Python path."""
+        counts: dict[tuple[int, int], int] = {}
+        for entry in pins:
+            counts[entry] = counts.get(entry, 0) + 1
+        left = self.native.release(sorted((slot, gen, count) for (slot, gen), count in counts.items()))
+        for slot, gen, count in left:
+            with self.sections.stripe(slot // self.layout.ways):
+                while not self.native.unpin_in(slot, gen, count):
+                    self.repairs.quarantine(slot)
 
     def add_ref(self, slot: int, gen: int) -> bool:
         """One more pin on a sealed (slot, gen); False if it is no longer sealed there."""

@@ -32,6 +32,7 @@ import numpy as np
 
 from shmcache.errors import CorruptSegment
 from shmcache.keys.key import HASH_ALGORITHMS, KEY_KINDS, MODALITIES, EmbeddingCacheKey
+from shmcache.node import _native
 
 __all__ = [
     "ATTACHMENT_SIZE",
@@ -194,6 +195,13 @@ PIN: Final = struct.Struct("<iIQ")  # slot, count, gen
 PIN_DTYPE: Final = np.dtype([("slot", "<i4"), ("count", "<u4"), ("gen", "<u8")])
 assert C_COUNTERS + 8 * N_COUNTERS <= CLIENT_HEAD_SIZE and PIN_DTYPE.itemsize == PIN.size
 
+# native.c repeats the offsets it needs; they must be these
+assert (_native.SLOT_SIZE, _native.S_CRC, _native.S_LAST_ACCESS) == (SLOT_SIZE, S_CRC, S_LAST_ACCESS)
+assert (_native.KEY_SIZE, _native.STRIPE_SIZE) == (KEY_SIZE, STRIPE_SIZE)
+assert (ATTACHMENT_SIZE, PIN.size) == (_native.ATTACHMENT_SIZE, _native.PIN_SIZE)
+assert (_native.CLIENT_HEAD_SIZE, _native.C_COUNTERS) == (CLIENT_HEAD_SIZE, C_COUNTERS)
+assert _native.COUNTER_EVICTIONS_TTL == Counter.EVICTIONS_TTL
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -277,6 +285,25 @@ class Layout:
 
     def pin_off(self, client: int, pin: int) -> int:
         return self.client_off(client) + CLIENT_HEAD_SIZE + PIN.size * pin
+
+    def native(self, buf: IndexBuffer, semid: int, ttl: float | None, lock_timeout: float) -> _native.Index:
+        """The native handle (native.c) on the index mapped at `buf`, for these sizes."""
+        return _native.Index(
+            buffer=buf,
+            semid=semid,
+            stripes=self.stripes,
+            ways=self.ways,
+            clients=self.clients,
+            pins=self.pins,
+            stripes_off=self.stripes_off,
+            slots_off=self.slots_off,
+            keys_off=self.keys_off,
+            attachments_off=self.attachments_off,
+            clients_off=self.clients_off,
+            client_size=self.client_size,
+            ttl=ttl or 0.0,
+            lock_timeout=lock_timeout,
+        )
 
 
 def _align(n: int, to: int = 64) -> int:

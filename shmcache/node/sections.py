@@ -20,9 +20,8 @@ import struct
 from collections.abc import Callable
 from typing import Final
 
-from shmcache.errors import CapacityError, LockTimeout, SemaphoreTimeout
-from shmcache.kernel.semaphores import SemaphoreSet
-from shmcache.node import crashpoints
+from shmcache.errors import CapacityError
+from shmcache.node import _native, crashpoints
 from shmcache.node.crashpoints import CrashPoint
 from shmcache.node.layout import H_NODE_HELD, NODE_LOCK, Layout
 
@@ -59,19 +58,19 @@ class Section:
 
 
 class Sections:
-    """The stripe and node sections of one namespace. The repairs are given by the index."""
+    """The stripe and node sections of one namespace. The repairs are given by the index; entering
+    and leaving is the native handle's (native.c: the same steps its hot transactions take)."""
 
     def __init__(
         self,
         idx: memoryview,
         layout: Layout,
-        sems: SemaphoreSet,
-        lock_timeout: float,
+        native: _native.Index,
         *,
         repair_stripe: Callable[[int], None],
         repair_node: Callable[[], None],
     ) -> None:
-        self._idx, self._layout, self._sems, self._timeout = idx, layout, sems, lock_timeout
+        self._idx, self._layout, self._native = idx, layout, native
         self._repair_stripe, self._repair_node = repair_stripe, repair_node
 
     def stripe(self, stripe: int) -> Section:
@@ -99,20 +98,10 @@ class Sections:
         self._idx[off : off + 4] = _U32.pack(_U32.unpack_from(self._idx, off)[0] + 1)
 
     def enter(self, sem: int, held_off: int, what: str) -> bool:
-        """Take semaphore `sem` and set its held marker; True if the last holder died inside."""
-        try:
-            self._sems.acquire(sem, self._timeout)
-        except SemaphoreTimeout:
-            raise LockTimeout(
-                f"{what} was held for more than lock_timeout_s={self._timeout}s (holder pid "
-                f"{self._sems.last_pid(sem)})"
-            ) from None
-        died_inside: bool = _U32.unpack_from(self._idx, held_off)[0] != 0
-        self._idx[held_off : held_off + 4] = _U32.pack(1)
-        return died_inside
+        """Take semaphore `sem` (`LockTimeout` after the lock timeout) and set its held marker;
+        True if the last holder died inside."""
+        return self._native.enter(sem, held_off, what)
 
     def leave(self, sem: int, held_off: int, *, clean: bool) -> None:
         """Clear the held marker (only after a clean exit: else the next holder repairs) and release."""
-        if clean:
-            self._idx[held_off : held_off + 4] = _U32.pack(0)
-        self._sems.release(sem)
+        self._native.leave(sem, held_off, clean)

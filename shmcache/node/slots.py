@@ -16,40 +16,37 @@ A reservation whose extent a failed remote transfer may still write is *set asid
 one pin of its owner, which keeps the memory out of the allocator's hands until that transfer
 can no longer write (the owner's detach or death releases the pin).
 
-Every write of a record goes through `SlotTable.write`, which checks the transition against
-`TRANSITIONS` and writes the record and its crc in one copy of their bytes: never `pack_into`
-shared memory, which zeroes its target before writing the fields, so a reader without the lock
-(the allocator's snapshot, the eviction scan, repeat hits) would see a live record as EMPTY and
-hand its memory out again. The one unchecked write is `quarantine`, whose old record is unreadable.
-Every caller holds the slot's stripe section (sections.py).
+Every write of a record goes through the native writer (native.c, rule 3), which writes the
+record and its crc in one copy of their bytes: never field by field in place, so a reader without
+the lock (the allocator's snapshot, the eviction scan, repeat hits, existence checks) never sees a
+live record as EMPTY and hands its memory out again. Python's writes go through
+`SlotTable.write`, which first checks the transition against `TRANSITIONS`; the native hot path
+makes only pin changes (SEALED/STALE as themselves), expiry (SEALED -> STALE or EMPTY) and the
+last release (STALE -> EMPTY), all in the table. The one unchecked write is `quarantine`, whose old
+record is unreadable. Every caller holds the slot's stripe section (sections.py).
 """
 
 from __future__ import annotations
 
 import enum
 import struct
-import zlib
 from collections.abc import Callable, Iterator
 from typing import Final, NamedTuple
 
 import numpy as np
 
 from shmcache.errors import ProtocolViolation
-from shmcache.node import crashpoints
-from shmcache.node.crashpoints import CrashPoint
+from shmcache.node import _native
 from shmcache.node.layout import (
     ERROR_SIZE,
     FAILURE,
     KEY_SIZE,
     META,
-    S_CRC,
     S_FAILURE,
     S_LAST_ACCESS,
     S_META,
     SLOT_DTYPE,
-    SLOT_RECORD,
     SLOT_SIZE,
-    IndexBuffer,
     Layout,
 )
 
@@ -142,39 +139,31 @@ class SealedEntry(NamedTuple):
 
 
 _F64 = struct.Struct("<d")
-_HEAD = struct.Struct("<IiQ")  # state, owner, gen: the first 16 bytes of a slot record
-_U32 = struct.Struct("<I")
-_ZERO_CRC: Final = zlib.crc32(bytes(KEY_SIZE), zlib.crc32(bytes(SLOT_RECORD.size)))
 
 
 class SlotTable:
-    """The slot, key, failure and error records of one mapped index."""
+    """The slot, key, failure and error records of one mapped index. Records, their crc, access
+    stamps and expiry go through the native handle (native.c): one implementation for Python's
+    slow paths and the native hot ones."""
 
-    def __init__(self, idx: memoryview, layout: Layout, buf: IndexBuffer, ttl: float | None) -> None:
+    def __init__(self, idx: memoryview, layout: Layout, native: _native.Index, ttl: float | None) -> None:
         self.idx = idx
         self.layout = layout
         self.ttl = ttl
+        self.native = native
         self.on_damaged: Callable[[int], None] = lambda slot: None  # the index quarantines
         self._slots_off, self._keys_off = layout.slots_off, layout.keys_off
-        self.array = np.ndarray((layout.slots,), SLOT_DTYPE, buffer=buf, offset=layout.slots_off)
+        self.array = np.ndarray((layout.slots,), SLOT_DTYPE, buffer=idx, offset=layout.slots_off)
 
     # ------------------------------------------------------------------ records
-    def _crc(self, slot: int, head: bytes | memoryview | None = None) -> int:
-        """CRC of the record (`head`, else the stored one) and its key, xor-ed so that a
-        never-written (all-zero) slot verifies."""
-        off, koff = self._slots_off + SLOT_SIZE * slot, self._keys_off + KEY_SIZE * slot
-        if head is None:
-            head = self.idx[off : off + S_CRC]
-        return zlib.crc32(self.idx[koff : koff + KEY_SIZE], zlib.crc32(head)) ^ _ZERO_CRC
-
     def raw(self, slot: int) -> tuple[SlotRecord, bool]:
-        """The stored record, unchecked, and whether its crc verifies (no lock needed)."""
-        off = self._slots_off + SLOT_SIZE * slot
-        state, owner, gen, offset, size, sealed_at, refs = SLOT_RECORD.unpack_from(self.idx, off)
-        crc = _U32.unpack_from(self.idx, off + S_CRC)[0]
+        """The stored record, unchecked, and whether its crc verifies (no lock needed). The crc
+        covers the record and its key, xor-ed so that a never-written (all-zero) slot verifies;
+        an unknown state reads as STALE (and fails)."""
+        state, owner, gen, offset, size, sealed_at, refs, valid = self.native.read_record(slot)
         known = state in SlotState._value2member_map_
         record = SlotRecord(SlotState(state) if known else STALE, owner, gen, offset, size, sealed_at, refs)
-        return record, known and crc == self._crc(slot)
+        return record, valid
 
     def read(self, slot: int) -> SlotRecord | None:
         """The record; None if it fails its crc, after `on_damaged` quarantined it."""
@@ -189,27 +178,12 @@ class SlotTable:
         the transition; record and crc are written in one copy."""
         if (was, record.state) not in TRANSITIONS:
             raise ProtocolViolation(f"slot {slot}: illegal transition {was.label} -> {record.state.label}")
-        self._put(slot, record)
+        self.native.write_record(slot, *record)
 
     def quarantine(self, slot: int, record: SlotRecord) -> None:
         """The unchecked write for a record that failed its crc: `record` must be STALE or EMPTY."""
         assert record.state in (STALE, EMPTY)
-        self._put(slot, record)
-
-    def _put(self, slot: int, record: SlotRecord) -> None:
-        head = SLOT_RECORD.pack(*record)
-        off = self._slots_off + SLOT_SIZE * slot
-        data = head + _U32.pack(self._crc(slot, head))
-        if crashpoints.armed() is CrashPoint.SLOT_RECORD_TORN and record.state != EMPTY:
-            self.idx[off : off + S_CRC] = head  # a dying writer got the fields out, not the crc
-            crashpoints.reached(CrashPoint.SLOT_RECORD_TORN)
-        self.idx[off : off + S_CRC + 4] = data
-
-    def state_and_gen(self, slot: int) -> tuple[int, int]:
-        """(state, gen) as stored, unchecked and without a lock: the repeat-hit fast path (the
-        caller holds a pin, so a damaged record costs it a fresh lookup, never wrong memory)."""
-        state, _owner, gen = _HEAD.unpack_from(self.idx, self._slots_off + SLOT_SIZE * slot)
-        return state, gen
+        self.native.write_record(slot, *record)
 
     def gen(self, slot: int) -> int:
         """The slot's current generation, read without a lock."""
@@ -240,12 +214,11 @@ class SlotTable:
 
     def touch(self, slot: int, now: float) -> None:
         """Record an access for LRU (a lone aligned 8-byte store; approximate by design)."""
-        off = self._slots_off + SLOT_SIZE * slot + S_LAST_ACCESS
-        self.idx[off : off + 8] = _F64.pack(now)
+        self.native.touch(slot, now)
 
     def expired(self, slot: int, now: float) -> bool:
         """True if the entry's last access is older than the TTL."""
-        return self.ttl is not None and now - self.last_access(slot) > self.ttl
+        return self.native.expired(slot, now)
 
     # ------------------------------------------------------------------ failures
     def record_failure(self, slot: int, gen: int, kind: FailureKind, message: str) -> None:

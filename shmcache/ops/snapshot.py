@@ -200,14 +200,15 @@ class _Index:
         clients = ClientTable(idx, layout, buf, sems)
         first = layout.client_sem(0)
         alive: np.ndarray = (values[first : first + layout.clients] != 0) & clients.claimed()
+        native = layout.native(buf, header.semid, header.ttl or None, lock_timeout=0.0)  # reads only
         return cls(
             buf=buf,
             header=header,
             layout=layout,
-            slots=SlotTable(idx, layout, buf, header.ttl or None),
-            pins=PinTable(idx, layout, buf),
+            slots=SlotTable(idx, layout, native, header.ttl or None),
+            pins=PinTable(idx, layout, native),
             clients=clients,
-            counters=Counters(idx, layout, buf),
+            counters=Counters(idx, layout, native),
             attachments=AttachmentTable(idx, layout, buf),
             sems=sems,
             sems_readable=readable,

@@ -80,7 +80,7 @@ class EmbeddingCache:
         self._detached = False
         self._requests = RequestRefs()
         self._releases = Releases(node, self._device, on_idle=self._detach)
-        self._views = Views(node, segments.arena_views, config, self._device, self._requests, self._releases)
+        self._views = Views(node, segments, config, self._device, self._requests, self._releases)
         self._claims = Claims(node, segments.arena, config, self._views, self._device, self._requests)
         self._bridge: RemoteBridge | None = None
         _open.add(self)
@@ -123,16 +123,13 @@ class EmbeddingCache:
     def get_many(
         self, keys: Sequence[EmbeddingCacheKey], request_id: RequestId | None = None
     ) -> list[Value | None]:
-        """`get` of every key of a request's items, in key order (None for a miss); every key is
-        checked before any is looked up, and each hit is pinned as `get` pins it."""
+        """`get` of every key of a request's items, in key order (None for a miss), the node lookups
+        in one native call; every key is checked first, each hit is pinned as `get` pins it."""
         if not self._enabled:
             return [None] * len(keys)
         arguments.check_request(request_id)
         self._index()
-        needles = [self._needle(key) for key in keys]
-        return [
-            self._views.lookup(key, needle, request_id) for key, needle in zip(keys, needles, strict=True)
-        ]
+        return self._views.lookup_many(keys, [self._needle(key) for key in keys], request_id)
 
     def put(self, key: EmbeddingCacheKey, value: Value, request_id: RequestId | None = None) -> None:
         """Store `value` under `key`. The first writer wins: an existing or in-flight entry is kept.
@@ -234,15 +231,20 @@ class EmbeddingCache:
         return self._claims.adopt(ticket, key, request_id)
 
     def contains(self, key: EmbeddingCacheKey) -> bool:
-        """True if `key` is sealed on the node right now (no pin, no copy, no count)."""
+        """True if `key` is sealed on the node right now (lock-free: no pin, no copy, no count)."""
         if not self._enabled:
             return False
-        return self._index().lookup(self._needle(key), pins=0) is not None
+        return self._index().lookups.contains(self._needle(key))
+
+    def contains_many(self, keys: Sequence[EmbeddingCacheKey]) -> list[bool]:
+        """`contains` of every key, in key order, in one native call (every key checked first)."""
+        if not self._enabled:
+            return [False] * len(keys)
+        return self._index().lookups.contains_many([self._needle(key) for key in keys])
 
     def hold(self, key: EmbeddingCacheKey, request_id: RequestId) -> bool:
-        """Reference `key`'s entry for `request_id` (released by `cleanup_request`) without making
-        a view or counting a hit: a scheduler keeps an entry alive for a load it plans. False if
-        `key` is not sealed."""
+        """Reference `key`'s entry for `request_id` (until `cleanup_request`) without a view or a
+        hit counted: a scheduler keeps an entry alive for a load it plans. False if not sealed."""
         if not self._enabled:
             return False
         arguments.check_request(request_id)

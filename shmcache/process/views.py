@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +23,7 @@ from shmcache.format import decode, entry
 from shmcache.format.values import Value
 from shmcache.gpu.record import GpuRecord
 from shmcache.gpu.side import DeviceSide
-from shmcache.kernel.cowmap import CowMapper
+from shmcache.kernel.namespace import Segments
 from shmcache.keys.key import EmbeddingCacheKey
 from shmcache.node.index import NodeIndex
 from shmcache.node.layout import Counter
@@ -63,13 +63,14 @@ class Views:
     def __init__(
         self,
         node: NodeIndex,
-        arena: CowMapper,
+        segments: Segments,
         config: CacheConfig,
         device: DeviceSide,
         requests: RequestRefs,
         releases: Releases,
     ) -> None:
-        self._node, self._arena, self._config, self._device = node, arena, config, device
+        self._node, self._arena, self._config, self._device = node, segments.arena_views, config, device
+        self._shared = memoryview(segments.arena)  # entry heads are checked here: no fault in a view
         self._requests, self._releases = requests, releases
         self._clone = config.return_mode == "clone"
         self._local: dict[bytes, _Mapping] = {}
@@ -91,16 +92,37 @@ class Views:
         if value is not None:
             return value
         node = self._node
-        sealed = node.lookup(needle, pins=self.pins_for(request_id))
+        sealed = node.lookups.lookup(needle, self.pins_for(request_id))
         if sealed is None:
             node.count(Counter.MISSES)
             return None
         node.count(Counter.HITS_NODE)
         return self.deliver(key, needle, sealed, request_id)
 
+    def lookup_many(
+        self, keys: Sequence[EmbeddingCacheKey], needles: list[bytes], request_id: RequestId | None
+    ) -> list[Value | None]:
+        """`lookup` of every key, in order: repeat hits first, the rest in one native lookup."""
+        out = [self.repeat_hit(needle, key, request_id) for key, needle in zip(keys, needles, strict=True)]
+        todo = [i for i, value in enumerate(out) if value is None]
+        node = self._node
+        found = node.lookups.lookup_many([needles[i] for i in todo], self.pins_for(request_id), node.release)
+        for n, (i, sealed) in enumerate(zip(todo, found, strict=True)):
+            if sealed is None:
+                node.count(Counter.MISSES)
+                continue
+            node.count(Counter.HITS_NODE)
+            try:
+                out[i] = self.deliver(keys[i], needles[i], sealed, request_id)
+            except BaseException:  # the hits not yet delivered give their pins back
+                rest = [hit for hit in found[n + 1 :] if hit is not None]
+                node.release([(hit.slot, hit.gen) for hit in rest for _ in range(self.pins_for(request_id))])
+                raise
+        return out
+
     def hold(self, needle: bytes, request_id: RequestId) -> bool:
         """Reference the sealed entry of `needle` for `request_id`, without a view; False if none."""
-        sealed = self._node.lookup(needle, pins=1)
+        sealed = self._node.lookups.lookup(needle, 1)
         if sealed is None:
             return False
         self._requests.add(request_id, sealed.slot, sealed.gen)
@@ -145,7 +167,9 @@ class Views:
         self, key: EmbeddingCacheKey, holder: np.ndarray, sealed: SealedEntry
     ) -> tuple[Value, decode.ParsedValue, bool]:
         """(value, its parsed format, whether it aliases device memory of the exporter)."""
-        body = entry.verify(holder.data, key, sealed.gen)
+        # the head is checked in the shared mapping (the same bytes: the entry is pinned), so the
+        # view's pages are first touched by the consumer, if at all
+        body = entry.verify(self._shared[sealed.offset : sealed.offset + sealed.size], key, sealed.gen)
         if self._config.debug_check_views and not entry.checksum_matches(holder.data):
             raise CorruptValue("the node's copy does not match its checksum")
         parsed = decode.parse(body)
@@ -176,8 +200,7 @@ class Views:
         if found is None or holder is None:
             return None
         node, slot, gen = self._node, found.slot, found.gen
-        now = time.monotonic()
-        if not node.is_live(slot, gen, now):
+        if not node.lookups.repeat_hit(slot, gen):
             return None
         template = found.template() if found.template is not None else None
         if found.parsed.on_device and self._device.reader() is not None:
@@ -190,7 +213,6 @@ class Views:
             if not node.add_ref(slot, gen):
                 return None
             self._requests.add(request_id, slot, gen)
-        node.touch(slot, now)
         if count:
             node.count(Counter.HITS_PROCESS)
         if template is not None:

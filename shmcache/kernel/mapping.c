@@ -1,0 +1,119 @@
+/* shmcache.kernel._mapping: copy-on-write views of a shared file (cowmap.py says why each view
+ * has its own private mapping): an object that exports the mapped bytes as a writable buffer and
+ * unmaps them when it dies, so a view is one mmap system call and one array over that object.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+static PyObject *CapacityError;
+
+/* A private (copy-on-write) mapping of a file's pages, exported as a writable buffer and unmapped
+ * when the object dies (cowmap.py explains why each view has its own). */
+typedef struct {
+    PyObject_HEAD
+    void *address;
+    size_t length;
+    Py_ssize_t start; /* where the requested bytes begin inside the mapping */
+    Py_ssize_t size;
+} Mapping;
+
+static int Mapping_getbuffer(Mapping *m, Py_buffer *view, int flags) {
+    return PyBuffer_FillInfo(view, (PyObject *)m, (char *)m->address + m->start, m->size, 0, flags);
+}
+
+static void Mapping_dealloc(Mapping *m) {
+    if (m->address != NULL) {
+        munmap(m->address, m->length);
+    }
+    Py_TYPE(m)->tp_free((PyObject *)m);
+}
+
+static PyBufferProcs Mapping_as_buffer = {(getbufferproc)Mapping_getbuffer, NULL};
+
+static PyTypeObject MappingType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "shmcache.kernel._mapping.Mapping",
+    .tp_basicsize = sizeof(Mapping),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A copy-on-write mapping of some bytes of a file, unmapped when it dies.",
+    .tp_dealloc = (destructor)Mapping_dealloc,
+    .tp_as_buffer = &Mapping_as_buffer,
+};
+
+static PyObject *map_private(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "map_private(fd, offset, size)");
+        return NULL;
+    }
+    int fd = (int)PyLong_AsLong(args[0]);
+    Py_ssize_t offset = PyLong_AsSsize_t(args[1]), size = PyLong_AsSsize_t(args[2]);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    if (offset < 0 || size < 0) {
+        PyErr_SetString(PyExc_ValueError, "offset and size must not be negative");
+        return NULL;
+    }
+    long page = sysconf(_SC_PAGESIZE);
+    Py_ssize_t start = offset - offset % page;
+    size_t length = (size_t)(((offset + size - start) + page - 1) / page * page);
+    if (length == 0) {
+        length = (size_t)page;
+    }
+    void *address = mmap(NULL, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_NORESERVE, fd, start);
+    if (address == MAP_FAILED) {
+        if (errno == ENOMEM) { /* the process's mapping count (vm.max_map_count) or address space */
+            PyErr_Format(CapacityError, "cannot map %zu bytes for a view: %s", length, strerror(errno));
+        } else {
+            PyErr_SetFromErrno(PyExc_OSError);
+        }
+        return NULL;
+    }
+    Mapping *m = PyObject_New(Mapping, &MappingType);
+    if (m == NULL) {
+        munmap(address, length);
+        return NULL;
+    }
+    m->address = address;
+    m->length = length;
+    m->start = offset - start;
+    m->size = size;
+    return (PyObject *)m;
+}
+
+static PyMethodDef mapping_methods[] = {
+    {"map_private", (PyCFunction)(void (*)(void))map_private, METH_FASTCALL,
+     "map_private(fd, offset, size): a Mapping of those bytes of the file (copy-on-write)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef mapping_module = {
+    PyModuleDef_HEAD_INIT, "shmcache.kernel._mapping", "Copy-on-write mappings (see mapping.c).", -1,
+    mapping_methods,
+};
+
+PyMODINIT_FUNC PyInit__mapping(void) {
+    if (PyType_Ready(&MappingType) < 0) {
+        return NULL;
+    }
+    PyObject *errors = PyImport_ImportModule("shmcache.errors");
+    if (errors == NULL) {
+        return NULL;
+    }
+    CapacityError = PyObject_GetAttrString(errors, "CapacityError");
+    Py_DECREF(errors);
+    if (CapacityError == NULL) {
+        return NULL;
+    }
+    PyObject *m = PyModule_Create(&mapping_module);
+    if (m != NULL && PyModule_AddObjectRef(m, "Mapping", (PyObject *)&MappingType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,109 @@
+"""The hit path: finding and pinning sealed entries, existence checks and repeat-hit checks.
+
+Each is one native call (native.c); this module adds only what the native code hands back: a
+stripe whose last holder died inside, or a damaged record, answers `SLOW`, and the lookup is then
+redone on the locked path: the stripe section entered from Python (which runs its repair) with the
+same native step inside, quarantining damaged records as it meets them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+from shmcache.node import _native
+from shmcache.node.sections import Sections
+from shmcache.node.slots import SealedEntry
+
+__all__ = ["Lookups"]
+
+
+def _sealed(hit: _native.Hit | None) -> SealedEntry | None:
+    if hit is None:
+        return None
+    slot, gen, offset, size, attachment = hit
+    return SealedEntry(slot, gen, offset, size, True, attachment)
+
+
+class Lookups:
+    """The lookups of one `NodeIndex` (its native handle, sections and quarantine)."""
+
+    def __init__(
+        self,
+        native: _native.Index,
+        sections: Sections,
+        quarantine: Callable[[int], None],
+        stripe_of: Callable[[bytes], int],
+    ) -> None:
+        self._native, self._sections, self._quarantine, self._stripe_of = (
+            native,
+            sections,
+            quarantine,
+            stripe_of,
+        )
+
+    def lookup(self, needle: bytes, pins: int) -> SealedEntry | None:
+        """A sealed, unexpired entry for `needle`, pinned `pins` times; None on a miss."""
+        answer = self._native.lookup(needle, pins)
+        if isinstance(answer, _native.Slow):
+            answer = self._locked(needle, pins)
+        return _sealed(answer)
+
+    def lookup_many(
+        self, needles: list[bytes], pins: int, release: Callable[[list[tuple[int, int]]], None]
+    ) -> list[SealedEntry | None]:
+        """`lookup` of every needle, in order, in one native call. If anything raises (out of pin
+        records, a lock timeout), the hits already pinned are given to `release` first."""
+        try:
+            answers = self._native.lookup_many(needles, pins)
+        except Exception as exc:
+            release(_pins(getattr(exc, "answers", []), pins))
+            raise
+        hits: list[_native.Hit | None] = []
+        try:
+            for needle, answer in zip(needles, answers, strict=True):
+                if isinstance(answer, _native.Slow):  # not pinned: its stripe needs a repair
+                    answer = self._locked(needle, pins)
+                hits.append(answer)
+        except BaseException:
+            release(_pins([*hits, *answers[len(hits) :]], pins))  # the one that raised held no pin
+            raise
+        return [_sealed(hit) for hit in hits]
+
+    def contains(self, needle: bytes) -> bool:
+        """True if `needle` is sealed and unexpired now: lock-free, no pin (the access is stamped)."""
+        answer = self._native.contains(needle)
+        return self.lookup(needle, 0) is not None if isinstance(answer, _native.Slow) else answer
+
+    def contains_many(self, needles: list[bytes]) -> list[bool]:
+        """`contains` of every needle, in order, in one native call."""
+        return [
+            self.lookup(needle, 0) is not None if isinstance(answer, _native.Slow) else answer
+            for needle, answer in zip(needles, self._native.contains_many(needles), strict=True)
+        ]
+
+    def repeat_hit(self, slot: int, gen: int) -> bool:
+        """Lock-free: an entry this process holds a pin on, (slot, gen), is still sealed and
+        unexpired (the access is then stamped)."""
+        return self._native.repeat_hit(slot, gen)
+
+    def hit_in(self, stripe: int, needle: bytes, now: float, pins: int) -> SealedEntry | None:
+        """The lookup step inside a stripe section the caller holds."""
+        return _sealed(self._hit_in(stripe, needle, now, pins))
+
+    def _locked(self, needle: bytes, pins: int) -> _native.Hit | None:
+        stripe = self._stripe_of(needle)
+        with self._sections.stripe(stripe):  # repairs the stripe if its last holder died inside
+            return self._hit_in(stripe, needle, time.monotonic(), pins)
+
+    def _hit_in(self, stripe: int, needle: bytes, now: float, pins: int) -> _native.Hit | None:
+        while True:
+            answer = self._native.hit_in(stripe, needle, now, pins)
+            if not isinstance(answer, int):
+                return answer
+            self._quarantine(answer)  # a damaged record: made unreachable, then look again
+
+
+def _pins(answers: Sequence[_native.Hit | _native.Slow | None], pins: int) -> list[tuple[int, int]]:
+    """One (slot, gen) per pin the hits among `answers` hold."""
+    return [(answer[0], answer[1]) for answer in answers if isinstance(answer, tuple) for _ in range(pins)]

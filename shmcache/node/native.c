@@ -1,0 +1,1201 @@
+/* shmcache.node._native: the hot transactions of the node layer, one native call each.
+ *
+ * Python keeps the slow paths (claim, takeover, allocation, eviction, repair, reaping); every
+ * step both sides use has its one implementation here: entering and leaving a section, reading
+ * and writing a slot record with its crc, this process's pin records, its counters. The Python
+ * modules (sections.py, slots.py, pins.py, counters.py) call these; index.py composes them.
+ *
+ * Byte layout: layout.py is the reference; this file repeats the few field offsets it needs as
+ * constants and exports them (layout.py asserts that both agree at import).
+ *
+ * Concurrency protocol (the LMDB way: the rules next to the code that follows them)
+ * ------------------------------------------------------------------------------------
+ * 1. Writers.  Every write of a slot record, key record, pin record or refcount happens with the
+ *    slot's stripe semaphore held (a SysV semaphore, +1 with SEM_UNDO: the kernel gives it back
+ *    when the holder dies).  semop() is a system call that takes the semaphore array's spinlock:
+ *    a full memory barrier on entry and on exit of the section, so plain loads and stores inside
+ *    a section are ordered against every other holder's.  The GIL serialises this process's
+ *    threads around the local pin bookkeeping (pin hash table, free list), which is only touched
+ *    with the GIL held.
+ * 2. Held markers.  After taking a section's semaphore the entrant sets the section's `held` u32,
+ *    and clears it right before giving the semaphore back after a clean exit.  Finding it set on
+ *    entry means the previous holder died inside: the native transactions then give the
+ *    semaphore back WITHOUT touching the marker and answer SLOW, and Python enters the section
+ *    itself, which runs the repair (sections.py) and then calls the same in-section function.
+ * 3. Records.  A slot record (44 bytes) and its crc (4 bytes, over the record and the slot's
+ *    48-byte key record) are written by one memcpy of 48 bytes from a local copy: never field by
+ *    field in place, so a lock-free reader sees either a record whose crc checks or a torn one
+ *    whose crc fails (and then takes the locked path), never a half-written record that checks.
+ * 4. Lock-free readers.  `contains`, `repeat_hit` and the LRU stamp run without the semaphore:
+ *      - contains copies the key record and the slot record with its crc into locals, then
+ *        verifies the crc over the copies (an acquire fence orders the loads after the scan);
+ *        a crc failure answers SLOW (the locked lookup decides);
+ *      - repeat_hit loads state and gen (two aligned loads); it is only used for an entry the
+ *        caller holds a pin on, so the slot cannot be reused while it is read: a changed gen or
+ *        state just means "not live any more";
+ *      - last_access is one aligned 8-byte store and load (approximate LRU by design).
+ *    Aligned loads and stores of 4 and 8 bytes are single-copy atomic on the platforms we build
+ *    for (x86-64, aarch64); they go through __atomic builtins with relaxed order so the compiler
+ *    neither tears nor caches them.
+ * 5. Counters.  Each process adds only to its own client record (__atomic_fetch_add, relaxed);
+ *    readers sum every record (counters.py).
+ * 6. Blocking.  A contended semaphore is waited for with the GIL released (semtimedop with the
+ *    lock timeout); everything else runs with the GIL held and never blocks.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <math.h>
+#include <signal.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/sem.h>
+#include <time.h>
+#include <unistd.h>
+#include <zlib.h>
+
+/* ---------------------------------------------------------------------------- layout constants */
+#define SLOT_SIZE 80
+#define RECORD_SIZE 44 /* state u32, owner i32, gen u64, offset u64, size u64, sealed_at f64, refs u32 */
+#define S_CRC 44
+#define S_LAST_ACCESS 48
+#define KEY_SIZE 48
+#define STRIPE_SIZE 8
+#define CLIENT_HEAD_SIZE 512
+#define C_COUNTERS 64
+#define PIN_SIZE 16
+#define ATTACHMENT_SIZE 192
+
+enum { EMPTY = 0, RESERVED = 1, SEALED = 2, STALE = 3 };
+/* Counter indices used here (layout.Counter; checked from layout.py) */
+enum { COUNTER_EVICTIONS_TTL = 7 };
+
+#pragma pack(push, 1)
+typedef struct {
+    uint32_t state;
+    int32_t owner;
+    uint64_t gen;
+    uint64_t offset;
+    uint64_t size;
+    double sealed_at;
+    uint32_t refs;
+} record_t;
+typedef struct {
+    int32_t slot;
+    uint32_t count;
+    uint64_t gen;
+} pin_t;
+#pragma pack(pop)
+
+_Static_assert(sizeof(record_t) == RECORD_SIZE, "slot record size");
+_Static_assert(sizeof(pin_t) == PIN_SIZE, "pin record size");
+
+/* What an in-section step found. */
+enum { R_MISS = 0, R_HIT = 1, R_DAMAGED = 2, R_ERROR = -1 };
+
+/* ---------------------------------------------------------------------------- crash points */
+/* The crash points the native code reaches (crashpoints.py names them; `arm` selects one). */
+enum { POINT_NONE = 0, POINT_IN_STRIPE_SECTION, POINT_SLOT_RECORD_TORN, POINT_HOLDING_PINS };
+static int armed_point = POINT_NONE;
+
+static void reached(int point) {
+    if (armed_point == point) {
+        kill(getpid(), SIGKILL);
+    }
+}
+
+/* ---------------------------------------------------------------------------- errors */
+static PyObject *LockTimeout, *CacheClosed, *CapacityError;
+
+static double monotonic_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* ---------------------------------------------------------------------------- the index object */
+typedef struct {
+    int32_t slot;
+    int32_t index; /* pin record index, -1: free bucket */
+    uint64_t gen;
+} bucket_t;
+
+typedef struct {
+    PyObject_HEAD
+    Py_buffer buffer;
+    char *base;
+    Py_ssize_t length;
+    int semid;
+    double lock_timeout;
+    double ttl; /* 0: no TTL */
+    Py_ssize_t stripes, ways, slots, clients, pins;
+    Py_ssize_t stripes_off, slots_off, keys_off, attachments_off, clients_off, client_size;
+    uint32_t zero_crc;
+    int row; /* this process's client record, -1 while detached */
+    /* this process's pins: (slot, gen) -> pin record index, linear probing */
+    bucket_t *table;
+    Py_ssize_t table_mask;
+    int32_t *free_pins; /* a stack of free pin record indices */
+    Py_ssize_t free_top;
+} Index;
+
+static inline char *slot_at(Index *ix, Py_ssize_t slot) { return ix->base + ix->slots_off + SLOT_SIZE * slot; }
+static inline char *key_at(Index *ix, Py_ssize_t slot) { return ix->base + ix->keys_off + KEY_SIZE * slot; }
+static inline char *stripe_at(Index *ix, Py_ssize_t stripe) { return ix->base + ix->stripes_off + STRIPE_SIZE * stripe; }
+static inline char *client_at(Index *ix, Py_ssize_t row) { return ix->base + ix->clients_off + ix->client_size * row; }
+static inline pin_t *pin_at(Index *ix, Py_ssize_t index) {
+    return (pin_t *)(client_at(ix, ix->row) + CLIENT_HEAD_SIZE + PIN_SIZE * index);
+}
+static inline int stripe_sem(Py_ssize_t stripe) { return (int)(1 + stripe); }
+
+static uint32_t record_crc(const char *head, const char *key, uint32_t zero_crc) {
+    uLong crc = crc32(0L, (const Bytef *)head, RECORD_SIZE);
+    return (uint32_t)crc32(crc, (const Bytef *)key, KEY_SIZE) ^ zero_crc;
+}
+
+/* ------------------------------------------------------------------------- records (rule 3) */
+static int read_record(Index *ix, Py_ssize_t slot, record_t *out) {
+    char copy[RECORD_SIZE + 4];
+    memcpy(copy, slot_at(ix, slot), sizeof copy);
+    memcpy(out, copy, RECORD_SIZE);
+    uint32_t stored;
+    memcpy(&stored, copy + S_CRC, 4);
+    int known = out->state <= STALE;
+    if (!known) {
+        out->state = STALE;
+    }
+    return known && stored == record_crc(copy, key_at(ix, slot), ix->zero_crc);
+}
+
+static void write_record(Index *ix, Py_ssize_t slot, const record_t *rec) {
+    char data[RECORD_SIZE + 4];
+    memcpy(data, rec, RECORD_SIZE);
+    uint32_t crc = record_crc(data, key_at(ix, slot), ix->zero_crc);
+    memcpy(data + S_CRC, &crc, 4);
+    if (armed_point == POINT_SLOT_RECORD_TORN && rec->state != EMPTY) {
+        memcpy(slot_at(ix, slot), data, RECORD_SIZE); /* a dying writer got the fields out, not the crc */
+        reached(POINT_SLOT_RECORD_TORN);
+    }
+    memcpy(slot_at(ix, slot), data, sizeof data);
+}
+
+static void freed(record_t *rec) {
+    uint64_t gen = rec->gen;
+    memset(rec, 0, sizeof *rec);
+    rec->owner = -1;
+    rec->gen = gen;
+}
+
+/* refs changed on a SEALED or STALE record: an unreferenced STALE record is freed */
+static void set_refs(record_t *rec, uint32_t refs) {
+    if (rec->state == STALE && refs == 0) {
+        freed(rec);
+    } else {
+        rec->refs = refs;
+    }
+}
+
+static double last_access(Index *ix, Py_ssize_t slot) {
+    uint64_t bits = __atomic_load_n((uint64_t *)(slot_at(ix, slot) + S_LAST_ACCESS), __ATOMIC_RELAXED);
+    double value;
+    memcpy(&value, &bits, 8);
+    return value;
+}
+
+static void touch(Index *ix, Py_ssize_t slot, double now) {
+    uint64_t bits;
+    memcpy(&bits, &now, 8);
+    __atomic_store_n((uint64_t *)(slot_at(ix, slot) + S_LAST_ACCESS), bits, __ATOMIC_RELAXED);
+}
+
+static int expired(Index *ix, Py_ssize_t slot, double now) {
+    return ix->ttl > 0 && now - last_access(ix, slot) > ix->ttl;
+}
+
+static void count(Index *ix, int counter, uint64_t n) {
+    if (ix->row < 0) {
+        return;
+    }
+    uint64_t *cell = (uint64_t *)(client_at(ix, ix->row) + C_COUNTERS + 8 * counter);
+    __atomic_fetch_add(cell, n, __ATOMIC_RELAXED);
+}
+
+/* ---------------------------------------------------------------------- sections (rules 1, 2) */
+static PyObject *sem_error(const char *what) {
+    if (errno == EIDRM || errno == EINVAL) {
+        PyErr_Format(CacheClosed, "%s: the namespace's semaphore set was removed (destroyed?)", what);
+    } else {
+        PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return NULL;
+}
+
+/* Take semaphore `sem` (wait for 0, then +1 with SEM_UNDO), at most lock_timeout seconds.
+ * 0 on success; -1 with an exception set. */
+static int acquire(Index *ix, int sem, const char *what) {
+    struct sembuf nowait[2] = {{(unsigned short)sem, 0, IPC_NOWAIT}, {(unsigned short)sem, 1, SEM_UNDO | IPC_NOWAIT}};
+    if (semop(ix->semid, nowait, 2) == 0) {
+        return 0; /* uncontended: one system call, the GIL kept */
+    }
+    if (errno != EAGAIN) {
+        sem_error(what);
+        return -1;
+    }
+    struct sembuf wait[2] = {{(unsigned short)sem, 0, 0}, {(unsigned short)sem, 1, SEM_UNDO}};
+    double deadline = monotonic_now() + ix->lock_timeout;
+    for (;;) {
+        double left = deadline - monotonic_now();
+        if (left < 0) {
+            left = 0;
+        }
+        struct timespec spec = {(time_t)left, (long)((left - floor(left)) * 1e9)};
+        int rc, code;
+        Py_BEGIN_ALLOW_THREADS
+        rc = semtimedop(ix->semid, wait, 2, &spec);
+        code = errno;
+        Py_END_ALLOW_THREADS
+        if (rc == 0) {
+            return 0;
+        }
+        if (code == EINTR) {
+            if (PyErr_CheckSignals() < 0) {
+                return -1;
+            }
+            continue;
+        }
+        if (code == EAGAIN) {
+            int pid = semctl(ix->semid, sem, GETPID);
+            PyObject *limit = PyFloat_FromDouble(ix->lock_timeout);
+            if (limit != NULL) {
+                PyErr_Format(LockTimeout, "%s was held for more than lock_timeout_s=%Rs (holder pid %d)", what,
+                             limit, pid);
+                Py_DECREF(limit);
+            }
+            return -1;
+        }
+        errno = code;
+        sem_error(what);
+        return -1;
+    }
+}
+
+static int give_back(Index *ix, int sem) {
+    struct sembuf op = {(unsigned short)sem, -1, SEM_UNDO | IPC_NOWAIT};
+    if (semop(ix->semid, &op, 1) != 0) {
+        sem_error("release");
+        return -1;
+    }
+    return 0;
+}
+
+/* Enter: 1 if the last holder died inside (marker set; now set by us), 0 if not, -1 on error. */
+static int enter(Index *ix, int sem, Py_ssize_t held_off, const char *what) {
+    if (acquire(ix, sem, what) < 0) {
+        return -1;
+    }
+    uint32_t *held = (uint32_t *)(ix->base + held_off);
+    int died_inside = __atomic_load_n(held, __ATOMIC_RELAXED) != 0;
+    __atomic_store_n(held, 1, __ATOMIC_RELAXED);
+    return died_inside;
+}
+
+static int leave(Index *ix, int sem, Py_ssize_t held_off, int clean) {
+    if (clean) {
+        __atomic_store_n((uint32_t *)(ix->base + held_off), 0, __ATOMIC_RELAXED);
+    }
+    return give_back(ix, sem);
+}
+
+/* Enter a stripe natively: 1 entered (marker clean), 0 the stripe needs its repair (semaphore
+ * given back, marker untouched: Python enters it), -1 error. */
+static int enter_stripe_fast(Index *ix, Py_ssize_t stripe) {
+    int sem = stripe_sem(stripe);
+    if (acquire(ix, sem, "a stripe lock") < 0) {
+        return -1;
+    }
+    uint32_t *held = (uint32_t *)stripe_at(ix, stripe);
+    if (__atomic_load_n(held, __ATOMIC_RELAXED) != 0) {
+        return give_back(ix, sem) < 0 ? -1 : 0;
+    }
+    __atomic_store_n(held, 1, __ATOMIC_RELAXED);
+    reached(POINT_IN_STRIPE_SECTION);
+    return 1;
+}
+
+static int leave_stripe(Index *ix, Py_ssize_t stripe) {
+    return leave(ix, stripe_sem(stripe), ix->stripes_off + STRIPE_SIZE * stripe, 1);
+}
+
+/* ------------------------------------------------------------------------------------ pins */
+static inline Py_ssize_t bucket_of(Index *ix, int32_t slot, uint64_t gen) {
+    uint64_t h = ((uint64_t)(uint32_t)slot * 0x9E3779B97F4A7C15ull) ^ (gen * 0xC2B2AE3D27D4EB4Full);
+    return (Py_ssize_t)((h ^ (h >> 29)) & (uint64_t)ix->table_mask);
+}
+
+static Py_ssize_t find_bucket(Index *ix, int32_t slot, uint64_t gen) {
+    Py_ssize_t b = bucket_of(ix, slot, gen);
+    while (ix->table[b].index >= 0) {
+        if (ix->table[b].slot == slot && ix->table[b].gen == gen) {
+            return b;
+        }
+        b = (b + 1) & ix->table_mask;
+    }
+    return -1 - b; /* not found: -1 - the free bucket where it would go */
+}
+
+/* Remove bucket `b` (backward-shift deletion keeps every probe chain unbroken). */
+static void drop_bucket(Index *ix, Py_ssize_t b) {
+    Py_ssize_t hole = b, next = (b + 1) & ix->table_mask;
+    while (ix->table[next].index >= 0) {
+        Py_ssize_t home = bucket_of(ix, ix->table[next].slot, ix->table[next].gen);
+        /* move `next` into the hole unless its home lies cyclically in (hole, next] */
+        int stays = hole <= next ? (hole < home && home <= next) : (hole < home || home <= next);
+        if (!stays) {
+            ix->table[hole] = ix->table[next];
+            hole = next;
+        }
+        next = (next + 1) & ix->table_mask;
+    }
+    ix->table[hole].index = -1;
+}
+
+static void write_pin(Index *ix, int32_t index, int32_t slot, uint32_t n, uint64_t gen) {
+    pin_t pin = {slot, n, gen};
+    memcpy(pin_at(ix, index), &pin, sizeof pin); /* one copy: repairs read it under the lock */
+}
+
+/* Add `n` pins on (slot, gen); -1 with CapacityError when every pin record is in use. The caller
+ * holds the slot's stripe section and adds `n` to the refcount. */
+static int pin_add(Index *ix, int32_t slot, uint64_t gen, uint32_t n) {
+    Py_ssize_t b = find_bucket(ix, slot, gen);
+    if (b >= 0) {
+        int32_t index = ix->table[b].index;
+        write_pin(ix, index, slot, pin_at(ix, index)->count + n, gen);
+        return 0;
+    }
+    if (ix->free_top == 0) {
+        PyErr_Format(CapacityError,
+                     "this process holds pins on %zd entries (max_pins_per_process): release requests "
+                     "with cleanup_request() or drop returned views",
+                     ix->pins);
+        return -1;
+    }
+    b = -1 - b;
+    int32_t index = ix->free_pins[--ix->free_top];
+    ix->table[b] = (bucket_t){slot, index, gen};
+    write_pin(ix, index, slot, n, gen);
+    return 0;
+}
+
+/* Remove up to `n` pins on (slot, gen): how many were held. */
+static uint32_t pin_remove(Index *ix, int32_t slot, uint64_t gen, uint32_t n) {
+    Py_ssize_t b = find_bucket(ix, slot, gen);
+    if (b < 0) {
+        return 0;
+    }
+    int32_t index = ix->table[b].index;
+    uint32_t have = pin_at(ix, index)->count;
+    uint32_t taken = n < have ? n : have;
+    write_pin(ix, index, slot, have - taken, gen);
+    if (have == taken) {
+        drop_bucket(ix, b);
+        ix->free_pins[ix->free_top++] = index;
+    }
+    return taken;
+}
+
+/* --------------------------------------------------------------- in-section steps (rule 1) */
+typedef struct {
+    Py_ssize_t slot;
+    record_t rec;
+} hit_t;
+
+static Py_ssize_t stripe_of(Index *ix, const char *needle) {
+    uint64_t bits;
+    memcpy(&bits, needle + 16, 8);
+    return (Py_ssize_t)(bits % (uint64_t)ix->stripes);
+}
+
+/* Find and pin a sealed, unexpired entry of `needle` in `stripe` (whose section the caller
+ * holds). An expired one is retired on the way. R_DAMAGED: `out->slot` failed its crc (nothing
+ * changed after it; the caller quarantines and calls again). */
+static int hit_in(Index *ix, Py_ssize_t stripe, const char *needle, double now, uint32_t pins, hit_t *out) {
+    for (Py_ssize_t slot = stripe * ix->ways; slot < (stripe + 1) * ix->ways; slot++) {
+        if (memcmp(key_at(ix, slot), needle, KEY_SIZE) != 0) {
+            continue;
+        }
+        record_t rec;
+        if (!read_record(ix, slot, &rec)) {
+            out->slot = slot;
+            return R_DAMAGED;
+        }
+        if (rec.state != SEALED) {
+            continue;
+        }
+        if (expired(ix, slot, now)) { /* a miss from now on, freed at its last release */
+            uint32_t refs = rec.refs;
+            if (refs) {
+                rec.state = STALE;
+            } else {
+                freed(&rec);
+                count(ix, COUNTER_EVICTIONS_TTL, 1);
+            }
+            write_record(ix, slot, &rec);
+            continue;
+        }
+        if (pins) {
+            if (pin_add(ix, (int32_t)slot, rec.gen, pins) < 0) {
+                return R_ERROR;
+            }
+            rec.refs += pins;
+            write_record(ix, slot, &rec);
+            reached(POINT_HOLDING_PINS);
+        }
+        touch(ix, slot, now);
+        out->slot = slot;
+        out->rec = rec;
+        return R_HIT;
+    }
+    return R_MISS;
+}
+
+/* Drop `n` of our pins on (slot, gen). R_DAMAGED: the record fails its crc (nothing changed). */
+static int unpin_in(Index *ix, int32_t slot, uint64_t gen, uint32_t n) {
+    record_t rec;
+    if (!read_record(ix, slot, &rec)) {
+        return R_DAMAGED;
+    }
+    uint32_t taken = pin_remove(ix, slot, gen, n);
+    if (taken == 0 || rec.gen != gen || (rec.state != SEALED && rec.state != STALE)) {
+        return R_MISS;
+    }
+    set_refs(&rec, rec.refs > taken ? rec.refs - taken : 0);
+    if (rec.state == EMPTY) {
+        count(ix, COUNTER_EVICTIONS_TTL, 1);
+    }
+    write_record(ix, slot, &rec);
+    return R_HIT;
+}
+
+/* ------------------------------------------------------------------------- Python objects */
+/* SLOW, the one instance of Slow: the answer that sends a caller to the locked Python path */
+static PyTypeObject SlowType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "shmcache.node._native.Slow",
+    .tp_basicsize = sizeof(PyObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "The type of SLOW: take the locked Python path (a stripe needs a repair, a record is damaged).",
+};
+static PyObject *SLOW;
+
+static PyObject *attachment_of(Index *ix, Py_ssize_t slot, uint64_t gen) {
+    char *at = ix->base + ix->attachments_off + ATTACHMENT_SIZE * slot;
+    uint64_t stamped;
+    memcpy(&stamped, at, 8);
+    if (gen == 0 || stamped != gen) {
+        Py_RETURN_NONE;
+    }
+    return PyBytes_FromStringAndSize(at, ATTACHMENT_SIZE);
+}
+
+/* A hit as (slot, gen, offset, size, attachment) */
+static PyObject *hit_tuple(Index *ix, const hit_t *hit) {
+    PyObject *attachment = attachment_of(ix, hit->slot, hit->rec.gen);
+    if (attachment == NULL) {
+        return NULL;
+    }
+    return Py_BuildValue("(nKKKN)", hit->slot, (unsigned long long)hit->rec.gen,
+                         (unsigned long long)hit->rec.offset, (unsigned long long)hit->rec.size, attachment);
+}
+
+static int check_needle(PyObject *needle, const char **bytes) {
+    if (!PyBytes_Check(needle) || PyBytes_GET_SIZE(needle) != KEY_SIZE) {
+        PyErr_SetString(PyExc_ValueError, "a needle is 48 bytes");
+        return -1;
+    }
+    *bytes = PyBytes_AS_STRING(needle);
+    return 0;
+}
+
+static int check_slot(Index *ix, Py_ssize_t slot) {
+    if (slot < 0 || slot >= ix->slots) {
+        PyErr_Format(PyExc_IndexError, "slot %zd out of range", slot);
+        return -1;
+    }
+    return 0;
+}
+
+static int check_bound(Index *ix) {
+    if (ix->row < 0) {
+        PyErr_SetString(CacheClosed, "no client record is bound (detached)");
+        return -1;
+    }
+    return 0;
+}
+
+/* One whole lookup transaction: the answer for one needle, or SLOW, or NULL on error. */
+static PyObject *lookup_one(Index *ix, const char *needle, double now, uint32_t pins) {
+    Py_ssize_t stripe = stripe_of(ix, needle);
+    int entered = enter_stripe_fast(ix, stripe);
+    if (entered <= 0) {
+        return entered < 0 ? NULL : Py_NewRef(SLOW);
+    }
+    hit_t hit;
+    int found = hit_in(ix, stripe, needle, now, pins, &hit);
+    /* every path below leaves cleanly: a step writes whole records only, and R_ERROR
+     * (CapacityError) is raised before anything is written */
+    if (leave_stripe(ix, stripe) < 0) {
+        return NULL;
+    }
+    switch (found) {
+    case R_HIT:
+        return hit_tuple(ix, &hit);
+    case R_MISS:
+        Py_RETURN_NONE;
+    case R_DAMAGED:
+        return Py_NewRef(SLOW);
+    default:
+        return NULL;
+    }
+}
+
+static PyObject *Index_lookup(Index *ix, PyObject *const *args, Py_ssize_t nargs) {
+    const char *needle;
+    unsigned long pins;
+    if (nargs != 2 || check_needle(args[0], &needle) < 0 || check_bound(ix) < 0) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_TypeError, "lookup(needle, pins)");
+        }
+        return NULL;
+    }
+    pins = PyLong_AsUnsignedLong(args[1]);
+    if (pins == (unsigned long)-1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    return lookup_one(ix, needle, monotonic_now(), (uint32_t)pins);
+}
+
+static PyObject *Index_lookup_many(Index *ix, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || !PyList_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "lookup_many(needles: list[bytes], pins)");
+        return NULL;
+    }
+    unsigned long pins = PyLong_AsUnsignedLong(args[1]);
+    if ((pins == (unsigned long)-1 && PyErr_Occurred()) || check_bound(ix) < 0) {
+        return NULL;
+    }
+    PyObject *needles = args[0];
+    Py_ssize_t n = PyList_GET_SIZE(needles);
+    for (Py_ssize_t i = 0; i < n; i++) { /* every needle is checked before any lookup */
+        const char *needle;
+        if (check_needle(PyList_GET_ITEM(needles, i), &needle) < 0) {
+            return NULL;
+        }
+    }
+    PyObject *out = PyList_New(n);
+    if (out == NULL) {
+        return NULL;
+    }
+    double now = monotonic_now();
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *answer = lookup_one(ix, PyBytes_AS_STRING(PyList_GET_ITEM(needles, i)), now, (uint32_t)pins);
+        if (answer == NULL) {
+            /* the hits before this one stay pinned: the caller releases them (it gets them back
+             * through the exception's `answers` attribute) */
+            PyObject *type, *value, *tb;
+            PyErr_Fetch(&type, &value, &tb);
+            PyErr_NormalizeException(&type, &value, &tb);
+            PyList_SetSlice(out, i, n, NULL);
+            if (value != NULL && PyObject_SetAttrString(value, "answers", out) < 0) {
+                PyErr_Clear();
+            }
+            Py_DECREF(out);
+            PyErr_Restore(type, value, tb);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, answer);
+    }
+    return out;
+}
+
+static PyObject *Index_hit_in(Index *ix, PyObject *const *args, Py_ssize_t nargs) {
+    const char *needle;
+    Py_ssize_t stripe;
+    double now;
+    unsigned long pins;
+    if (nargs != 4 || check_needle(args[1], &needle) < 0 || check_bound(ix) < 0) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_TypeError, "hit_in(stripe, needle, now, pins)");
+        }
+        return NULL;
+    }
+    stripe = PyLong_AsSsize_t(args[0]);
+    now = PyFloat_AsDouble(args[2]);
+    pins = PyLong_AsUnsignedLong(args[3]);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    if (stripe < 0 || stripe >= ix->stripes) {
+        PyErr_Format(PyExc_IndexError, "stripe %zd out of range", stripe);
+        return NULL;
+    }
+    hit_t hit;
+    switch (hit_in(ix, stripe, needle, now, (uint32_t)pins, &hit)) {
+    case R_HIT:
+        return hit_tuple(ix, &hit);
+    case R_MISS:
+        Py_RETURN_NONE;
+    case R_DAMAGED:
+        return PyLong_FromSsize_t(hit.slot);
+    default:
+        return NULL;
+    }
+}
+
+/* contains: lock-free (rule 4). True, False, or SLOW. */
+static PyObject *contains_one(Index *ix, const char *needle, double now) {
+    Py_ssize_t stripe = stripe_of(ix, needle);
+    for (Py_ssize_t slot = stripe * ix->ways; slot < (stripe + 1) * ix->ways; slot++) {
+        char key[KEY_SIZE], head[RECORD_SIZE + 4];
+        memcpy(key, key_at(ix, slot), KEY_SIZE);
+        if (memcmp(key, needle, KEY_SIZE) != 0) {
+            continue;
+        }
+        memcpy(head, slot_at(ix, slot), sizeof head);
+        __atomic_thread_fence(__ATOMIC_ACQUIRE);
+        uint32_t stored;
+        memcpy(&stored, head + S_CRC, 4);
+        if (stored != record_crc(head, key, ix->zero_crc)) {
+            return Py_NewRef(SLOW); /* torn by a writer right now, or damaged: the lock decides */
+        }
+        record_t rec;
+        memcpy(&rec, head, RECORD_SIZE);
+        if (rec.state == SEALED && !expired(ix, slot, now)) {
+            touch(ix, slot, now);
+            Py_RETURN_TRUE;
+        }
+    }
+    Py_RETURN_FALSE;
+}
+
+static PyObject *Index_contains(Index *ix, PyObject *needle) {
+    const char *bytes;
+    if (check_needle(needle, &bytes) < 0) {
+        return NULL;
+    }
+    return contains_one(ix, bytes, monotonic_now());
+}
+
+static PyObject *Index_contains_many(Index *ix, PyObject *needles) {
+    if (!PyList_Check(needles)) {
+        PyErr_SetString(PyExc_TypeError, "contains_many(needles: list[bytes])");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(needles);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const char *bytes;
+        if (check_needle(PyList_GET_ITEM(needles, i), &bytes) < 0) {
+            return NULL;
+        }
+    }
+    PyObject *out = PyList_New(n);
+    if (out == NULL) {
+        return NULL;
+    }
+    double now = monotonic_now();
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyList_SET_ITEM(out, i, contains_one(ix, PyBytes_AS_STRING(PyList_GET_ITEM(needles, i)), now));
+    }
+    return out;
+}
+
+/* release(pins: list[(slot, gen, count)]) sorted by slot: drops them stripe by stripe; returns
+ * the entries it could not drop natively (their stripe needs a repair, or a record is damaged),
+ * for the locked Python path. */
+static PyObject *Index_release(Index *ix, PyObject *pins) {
+    if (!PyList_Check(pins) || check_bound(ix) < 0) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_TypeError, "release(pins: list[tuple[int, int, int]])");
+        }
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(pins);
+    PyObject *left = PyList_New(0);
+    if (left == NULL) {
+        return NULL;
+    }
+    Py_ssize_t i = 0;
+    while (i < n) {
+        Py_ssize_t slot;
+        unsigned long long gen;
+        unsigned int count_;
+        if (!PyArg_ParseTuple(PyList_GET_ITEM(pins, i), "nKI", &slot, &gen, &count_) || check_slot(ix, slot) < 0) {
+            goto error;
+        }
+        Py_ssize_t stripe = slot / ix->ways;
+        Py_ssize_t end = i; /* this stripe's run: [i, end) */
+        while (end < n) {
+            PyObject *item = PyList_GET_ITEM(pins, end);
+            if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 3) {
+                PyErr_SetString(PyExc_TypeError, "release(pins: list[tuple[int, int, int]])");
+                goto error;
+            }
+            Py_ssize_t s = PyLong_AsSsize_t(PyTuple_GET_ITEM(item, 0));
+            if (s == -1 && PyErr_Occurred()) {
+                goto error;
+            }
+            if (s / ix->ways != stripe) {
+                break;
+            }
+            end++;
+        }
+        int entered = enter_stripe_fast(ix, stripe);
+        if (entered < 0) {
+            goto error;
+        }
+        for (; i < end; i++) {
+            PyObject *item = PyList_GET_ITEM(pins, i);
+            if (!entered) {
+                if (PyList_Append(left, item) < 0) {
+                    goto error;
+                }
+                continue;
+            }
+            if (!PyArg_ParseTuple(item, "nKI", &slot, &gen, &count_) || check_slot(ix, slot) < 0) {
+                leave_stripe(ix, stripe);
+                goto error;
+            }
+            if (unpin_in(ix, (int32_t)slot, gen, count_) == R_DAMAGED && PyList_Append(left, item) < 0) {
+                leave_stripe(ix, stripe);
+                goto error;
+            }
+        }
+        if (entered && leave_stripe(ix, stripe) < 0) {
+            goto error;
+        }
+    }
+    return left;
+error:
+    Py_DECREF(left);
+    return NULL;
+}
+
+static PyObject *Index_unpin_in(Index *ix, PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t slot;
+    unsigned long long gen;
+    unsigned long n;
+    if (nargs != 3 || check_bound(ix) < 0) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_TypeError, "unpin_in(slot, gen, count)");
+        }
+        return NULL;
+    }
+    slot = PyLong_AsSsize_t(args[0]);
+    gen = PyLong_AsUnsignedLongLong(args[1]);
+    n = PyLong_AsUnsignedLong(args[2]);
+    if (PyErr_Occurred() || check_slot(ix, slot) < 0) {
+        return NULL;
+    }
+    return PyBool_FromLong(unpin_in(ix, (int32_t)slot, gen, (uint32_t)n) != R_DAMAGED);
+}
+
+static int slot_now_args(Index *ix, PyObject *const *args, Py_ssize_t nargs, const char *usage, Py_ssize_t *slot,
+                         double *second) {
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "%s", usage);
+        return -1;
+    }
+    *slot = PyLong_AsSsize_t(args[0]);
+    *second = PyFloat_AsDouble(args[1]);
+    return PyErr_Occurred() || check_slot(ix, *slot) < 0 ? -1 : 0;
+}
+
+/* The repeat-hit check (rule 4): (slot, gen) is still sealed and unexpired; stamps the access. */
+static PyObject *Index_repeat_hit(Index *ix, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "repeat_hit(slot, gen)");
+        return NULL;
+    }
+    Py_ssize_t slot = PyLong_AsSsize_t(args[0]);
+    unsigned long long gen = PyLong_AsUnsignedLongLong(args[1]);
+    if (PyErr_Occurred() || check_slot(ix, slot) < 0) {
+        return NULL;
+    }
+    char *at = slot_at(ix, slot);
+    uint32_t state = __atomic_load_n((uint32_t *)at, __ATOMIC_RELAXED);
+    uint64_t current = __atomic_load_n((uint64_t *)(at + 8), __ATOMIC_RELAXED);
+    double now = monotonic_now();
+    if (state != SEALED || current != gen || expired(ix, slot, now)) {
+        Py_RETURN_FALSE;
+    }
+    touch(ix, slot, now);
+    Py_RETURN_TRUE;
+}
+
+static PyObject *Index_touch(Index *ix, PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t slot;
+    double now;
+    if (slot_now_args(ix, args, nargs, "touch(slot, now)", &slot, &now) < 0) {
+        return NULL;
+    }
+    touch(ix, slot, now);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Index_expired(Index *ix, PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t slot;
+    double now;
+    if (slot_now_args(ix, args, nargs, "expired(slot, now)", &slot, &now) < 0) {
+        return NULL;
+    }
+    return PyBool_FromLong(expired(ix, slot, now));
+}
+
+/* ----------------------------------------------------------------- primitives for Python */
+static PyObject *Index_enter(Index *ix, PyObject *const *args, Py_ssize_t nargs) {
+    const char *what;
+    if (nargs != 3 || !PyUnicode_Check(args[2]) || (what = PyUnicode_AsUTF8(args[2])) == NULL) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_TypeError, "enter(sem, held_off, what)");
+        }
+        return NULL;
+    }
+    int sem = (int)PyLong_AsLong(args[0]);
+    Py_ssize_t held_off = PyLong_AsSsize_t(args[1]);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    int died = enter(ix, sem, held_off, what);
+    return died < 0 ? NULL : PyBool_FromLong(died);
+}
+
+static PyObject *Index_leave(Index *ix, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "leave(sem, held_off, clean)");
+        return NULL;
+    }
+    int sem = (int)PyLong_AsLong(args[0]);
+    Py_ssize_t held_off = PyLong_AsSsize_t(args[1]);
+    int clean = PyObject_IsTrue(args[2]);
+    if (PyErr_Occurred() || clean < 0) {
+        return NULL;
+    }
+    if (leave(ix, sem, held_off, clean) < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *Index_read_record(Index *ix, PyObject *arg) {
+    Py_ssize_t slot = PyLong_AsSsize_t(arg);
+    if ((slot == -1 && PyErr_Occurred()) || check_slot(ix, slot) < 0) {
+        return NULL;
+    }
+    record_t r;
+    int valid = read_record(ix, slot, &r);
+    return Py_BuildValue("(IiKKKdIO)", r.state, r.owner, (unsigned long long)r.gen, (unsigned long long)r.offset,
+                         (unsigned long long)r.size, r.sealed_at, r.refs, valid ? Py_True : Py_False);
+}
+
+static PyObject *Index_write_record(Index *ix, PyObject *const *args, Py_ssize_t nargs) {
+    record_t r;
+    Py_ssize_t slot;
+    unsigned long long gen, offset, size;
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "write_record(slot, state, owner, gen, offset, size, sealed_at, refs)");
+        return NULL;
+    }
+    slot = PyLong_AsSsize_t(args[0]);
+    r.state = (uint32_t)PyLong_AsUnsignedLong(args[1]);
+    r.owner = (int32_t)PyLong_AsLong(args[2]);
+    gen = PyLong_AsUnsignedLongLong(args[3]);
+    offset = PyLong_AsUnsignedLongLong(args[4]);
+    size = PyLong_AsUnsignedLongLong(args[5]);
+    r.sealed_at = PyFloat_AsDouble(args[6]);
+    r.refs = (uint32_t)PyLong_AsUnsignedLong(args[7]);
+    if (PyErr_Occurred() || check_slot(ix, slot) < 0) {
+        return NULL;
+    }
+    r.gen = gen;
+    r.offset = offset;
+    r.size = size;
+    write_record(ix, slot, &r);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Index_bind(Index *ix, PyObject *arg) {
+    long row = PyLong_AsLong(arg);
+    if (row == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (row < -1 || row >= ix->clients) {
+        PyErr_Format(PyExc_IndexError, "client row %ld out of range", row);
+        return NULL;
+    }
+    ix->row = (int)row;
+    for (Py_ssize_t b = 0; b <= ix->table_mask; b++) {
+        ix->table[b].index = -1;
+    }
+    ix->free_top = 0;
+    for (Py_ssize_t i = ix->pins - 1; i >= 0; i--) {
+        ix->free_pins[ix->free_top++] = (int32_t)i;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *Index_pin_add(Index *ix, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || check_bound(ix) < 0) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_TypeError, "pin_add(slot, gen, count)");
+        }
+        return NULL;
+    }
+    Py_ssize_t slot = PyLong_AsSsize_t(args[0]);
+    unsigned long long gen = PyLong_AsUnsignedLongLong(args[1]);
+    unsigned long n = PyLong_AsUnsignedLong(args[2]);
+    if (PyErr_Occurred() || check_slot(ix, slot) < 0 || pin_add(ix, (int32_t)slot, gen, (uint32_t)n) < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *Index_pin_remove(Index *ix, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || check_bound(ix) < 0) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_TypeError, "pin_remove(slot, gen, count)");
+        }
+        return NULL;
+    }
+    Py_ssize_t slot = PyLong_AsSsize_t(args[0]);
+    unsigned long long gen = PyLong_AsUnsignedLongLong(args[1]);
+    unsigned long n = PyLong_AsUnsignedLong(args[2]);
+    if (PyErr_Occurred() || check_slot(ix, slot) < 0) {
+        return NULL;
+    }
+    return PyLong_FromUnsignedLong(pin_remove(ix, (int32_t)slot, gen, (uint32_t)n));
+}
+
+static PyObject *Index_pins_held(Index *ix, PyObject *Py_UNUSED(ignored)) {
+    PyObject *out = PyDict_New();
+    if (out == NULL || ix->row < 0) {
+        return out;
+    }
+    for (Py_ssize_t b = 0; b <= ix->table_mask; b++) {
+        if (ix->table[b].index < 0) {
+            continue;
+        }
+        PyObject *entry = Py_BuildValue("(iK)", ix->table[b].slot, (unsigned long long)ix->table[b].gen);
+        PyObject *n = entry ? PyLong_FromUnsignedLong(pin_at(ix, ix->table[b].index)->count) : NULL;
+        if (n == NULL || PyDict_SetItem(out, entry, n) < 0) {
+            Py_XDECREF(entry);
+            Py_XDECREF(n);
+            Py_DECREF(out);
+            return NULL;
+        }
+        Py_DECREF(entry);
+        Py_DECREF(n);
+    }
+    return out;
+}
+
+static PyObject *Index_pins_spare(Index *ix, PyObject *Py_UNUSED(ignored)) {
+    return PyLong_FromSsize_t(ix->free_top);
+}
+
+static PyObject *Index_count(Index *ix, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "count(counter, n)");
+        return NULL;
+    }
+    long counter = PyLong_AsLong(args[0]);
+    unsigned long long n = PyLong_AsUnsignedLongLong(args[1]);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    if (counter < 0 || C_COUNTERS + 8 * counter + 8 > CLIENT_HEAD_SIZE) {
+        PyErr_Format(PyExc_IndexError, "counter %ld out of range", counter);
+        return NULL;
+    }
+    count(ix, (int)counter, n);
+    Py_RETURN_NONE;
+}
+
+/* ------------------------------------------------------------------------- type plumbing */
+static int Index_init(Index *ix, PyObject *args, PyObject *kwds) {
+    static char *names[] = {"buffer", "semid", "stripes", "ways", "clients", "pins", "stripes_off",
+                            "slots_off", "keys_off", "attachments_off", "clients_off", "client_size",
+                            "ttl", "lock_timeout", NULL};
+    PyObject *buffer;
+    if (ix->base != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "an Index is initialised once");
+        return -1;
+    }
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "Oinnnnnnnnnndd", names, &buffer, &ix->semid, &ix->stripes,
+                                     &ix->ways, &ix->clients, &ix->pins, &ix->stripes_off, &ix->slots_off,
+                                     &ix->keys_off, &ix->attachments_off, &ix->clients_off, &ix->client_size,
+                                     &ix->ttl, &ix->lock_timeout)) {
+        return -1;
+    }
+    if (ix->stripes <= 0 || ix->ways <= 0 || ix->clients <= 0 || ix->pins <= 0 || ix->pins > INT32_MAX / 4) {
+        PyErr_SetString(PyExc_ValueError, "stripes, ways, clients and pins must be positive");
+        return -1;
+    }
+    if (PyObject_GetBuffer(buffer, &ix->buffer, PyBUF_WRITABLE) < 0) {
+        return -1;
+    }
+    ix->slots = ix->stripes * ix->ways;
+    if (ix->clients_off + ix->client_size * ix->clients > ix->buffer.len ||
+        ix->client_size < CLIENT_HEAD_SIZE + PIN_SIZE * ix->pins) {
+        PyBuffer_Release(&ix->buffer);
+        PyErr_SetString(PyExc_ValueError, "the buffer is smaller than the layout");
+        return -1;
+    }
+    Py_ssize_t buckets = 1;
+    while (buckets < 2 * ix->pins) {
+        buckets <<= 1;
+    }
+    ix->table = PyMem_Calloc((size_t)buckets, sizeof(bucket_t));
+    ix->free_pins = PyMem_Calloc((size_t)ix->pins, sizeof(int32_t));
+    if (ix->table == NULL || ix->free_pins == NULL) {
+        PyBuffer_Release(&ix->buffer);
+        PyErr_NoMemory();
+        return -1;
+    }
+    ix->table_mask = buckets - 1;
+    for (Py_ssize_t b = 0; b < buckets; b++) {
+        ix->table[b].index = -1;
+    }
+    ix->base = ix->buffer.buf;
+    ix->length = ix->buffer.len;
+    char zeros[KEY_SIZE] = {0};
+    ix->zero_crc = (uint32_t)crc32(crc32(0L, (const Bytef *)zeros, RECORD_SIZE), (const Bytef *)zeros, KEY_SIZE);
+    ix->row = -1;
+    return 0;
+}
+
+static void Index_dealloc(Index *ix) {
+    if (ix->base != NULL) {
+        PyBuffer_Release(&ix->buffer);
+    }
+    PyMem_Free(ix->table);
+    PyMem_Free(ix->free_pins);
+    Py_TYPE(ix)->tp_free((PyObject *)ix);
+}
+
+static PyMethodDef Index_methods[] = {
+    {"lookup", (PyCFunction)(void (*)(void))Index_lookup, METH_FASTCALL,
+     "lookup(needle, pins): find and pin a sealed entry, one stripe section: (slot, gen, offset, size, "
+     "attachment), None on a miss, SLOW when the stripe needs a repair or a record is damaged."},
+    {"lookup_many", (PyCFunction)(void (*)(void))Index_lookup_many, METH_FASTCALL,
+     "lookup_many(needles, pins): `lookup` of each needle, in order (one section per needle)."},
+    {"hit_in", (PyCFunction)(void (*)(void))Index_hit_in, METH_FASTCALL,
+     "hit_in(stripe, needle, now, pins): the lookup step inside a stripe section the caller holds; "
+     "an int is the slot of a damaged record (quarantine it and call again)."},
+    {"contains", (PyCFunction)Index_contains, METH_O,
+     "contains(needle): lock-free existence check: True, False or SLOW."},
+    {"contains_many", (PyCFunction)Index_contains_many, METH_O, "contains_many(needles): `contains` of each."},
+    {"release", (PyCFunction)Index_release, METH_O,
+     "release(pins): drop (slot, gen, count) pins sorted by slot; returns those left for the locked path."},
+    {"unpin_in", (PyCFunction)(void (*)(void))Index_unpin_in, METH_FASTCALL,
+     "unpin_in(slot, gen, count): drop pins inside the stripe section; False if the record is damaged."},
+    {"repeat_hit", (PyCFunction)(void (*)(void))Index_repeat_hit, METH_FASTCALL,
+     "repeat_hit(slot, gen): lock-free: still sealed, same gen, unexpired (then the access is stamped)."},
+    {"touch", (PyCFunction)(void (*)(void))Index_touch, METH_FASTCALL,
+     "touch(slot, now): stamp an access (LRU, TTL): one aligned 8-byte store."},
+    {"expired", (PyCFunction)(void (*)(void))Index_expired, METH_FASTCALL,
+     "expired(slot, now): the entry's last access is older than the TTL."},
+    {"enter", (PyCFunction)(void (*)(void))Index_enter, METH_FASTCALL,
+     "enter(sem, held_off, what): take a section; True if its last holder died inside."},
+    {"leave", (PyCFunction)(void (*)(void))Index_leave, METH_FASTCALL,
+     "leave(sem, held_off, clean): clear the held marker if clean, give the semaphore back."},
+    {"read_record", (PyCFunction)Index_read_record, METH_O,
+     "read_record(slot): (state, owner, gen, offset, size, sealed_at, refs, crc_ok)."},
+    {"write_record", (PyCFunction)(void (*)(void))Index_write_record, METH_FASTCALL,
+     "write_record(slot, state, owner, gen, offset, size, sealed_at, refs): record and crc in one copy."},
+    {"bind", (PyCFunction)Index_bind, METH_O, "bind(row): this process's (zeroed) client record; -1 unbinds."},
+    {"pin_add", (PyCFunction)(void (*)(void))Index_pin_add, METH_FASTCALL, "pin_add(slot, gen, count)."},
+    {"pin_remove", (PyCFunction)(void (*)(void))Index_pin_remove, METH_FASTCALL,
+     "pin_remove(slot, gen, count): how many were held."},
+    {"pins_held", (PyCFunction)Index_pins_held, METH_NOARGS, "pins_held(): {(slot, gen): count}."},
+    {"pins_spare", (PyCFunction)Index_pins_spare, METH_NOARGS, "pins_spare(): free pin records."},
+    {"count", (PyCFunction)(void (*)(void))Index_count, METH_FASTCALL, "count(counter, n): add to our counter."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject IndexType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "shmcache.node._native.Index",
+    .tp_basicsize = sizeof(Index),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "One process's native handle on a mapped index (see native.c).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Index_init,
+    .tp_dealloc = (destructor)Index_dealloc,
+    .tp_methods = Index_methods,
+};
+
+static PyObject *native_arm(PyObject *Py_UNUSED(module), PyObject *arg) {
+    if (arg == Py_None) {
+        armed_point = POINT_NONE;
+        Py_RETURN_NONE;
+    }
+    const char *name = PyUnicode_AsUTF8(arg);
+    if (name == NULL) {
+        return NULL;
+    }
+    armed_point = strcmp(name, "in-stripe-section") == 0  ? POINT_IN_STRIPE_SECTION
+                  : strcmp(name, "slot-record-torn") == 0 ? POINT_SLOT_RECORD_TORN
+                  : strcmp(name, "holding-pins") == 0     ? POINT_HOLDING_PINS
+                                                          : POINT_NONE;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef native_methods[] = {
+    {"arm", (PyCFunction)native_arm, METH_O,
+     "arm(point value or None): SIGKILL this process at that crash point if the native code reaches it."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef native_module = {
+    PyModuleDef_HEAD_INIT, "shmcache.node._native", "The node layer's hot transactions (see native.c).", -1,
+    native_methods,
+};
+
+PyMODINIT_FUNC PyInit__native(void) {
+    if (PyType_Ready(&IndexType) < 0 || PyType_Ready(&SlowType) < 0) {
+        return NULL;
+    }
+    PyObject *errors = PyImport_ImportModule("shmcache.errors");
+    if (errors == NULL) {
+        return NULL;
+    }
+    LockTimeout = PyObject_GetAttrString(errors, "LockTimeout");
+    CacheClosed = PyObject_GetAttrString(errors, "CacheClosed");
+    CapacityError = PyObject_GetAttrString(errors, "CapacityError");
+    Py_DECREF(errors);
+    if (LockTimeout == NULL || CacheClosed == NULL || CapacityError == NULL) {
+        return NULL;
+    }
+    PyObject *m = PyModule_Create(&native_module);
+    if (m == NULL) {
+        return NULL;
+    }
+    SLOW = PyObject_New(PyObject, &SlowType);
+    if (SLOW == NULL || PyModule_AddObjectRef(m, "SLOW", SLOW) < 0 ||
+        PyModule_AddObjectRef(m, "Slow", (PyObject *)&SlowType) < 0 ||
+        PyModule_AddObjectRef(m, "Index", (PyObject *)&IndexType) < 0 ||
+        PyModule_AddIntConstant(m, "SLOT_SIZE", SLOT_SIZE) < 0 || PyModule_AddIntConstant(m, "S_CRC", S_CRC) < 0 ||
+        PyModule_AddIntConstant(m, "S_LAST_ACCESS", S_LAST_ACCESS) < 0 ||
+        PyModule_AddIntConstant(m, "KEY_SIZE", KEY_SIZE) < 0 ||
+        PyModule_AddIntConstant(m, "STRIPE_SIZE", STRIPE_SIZE) < 0 ||
+        PyModule_AddIntConstant(m, "CLIENT_HEAD_SIZE", CLIENT_HEAD_SIZE) < 0 ||
+        PyModule_AddIntConstant(m, "C_COUNTERS", C_COUNTERS) < 0 ||
+        PyModule_AddIntConstant(m, "PIN_SIZE", PIN_SIZE) < 0 ||
+        PyModule_AddIntConstant(m, "ATTACHMENT_SIZE", ATTACHMENT_SIZE) < 0 ||
+        PyModule_AddIntConstant(m, "COUNTER_EVICTIONS_TTL", COUNTER_EVICTIONS_TTL) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,146 @@
+"""The native hit path (shmcache/node/native.c): batched lookups and existence checks, this
+process's pin bookkeeping, and the hand-back to the locked Python path."""
+
+from __future__ import annotations
+
+import gc
+import random
+import time
+
+import pytest
+import torch
+
+from shmcache import CacheConfig, CapacityError, EmbeddingCache, InvalidKey
+from shmcache.node.audit import audit
+from shmcache.node.crashpoints import CrashPoint
+from shmcache.node.index import NodeIndex
+from shmcache.testing import sample_cache_config
+from tests import workers
+from tests.helpers import spawn
+from tests.workers import expected_value, key_of
+
+
+def settle() -> None:
+    """Let dropped views release their pins (the release thread batches for a few ms)."""
+    gc.collect()
+    time.sleep(0.05)
+
+
+def node_of(cache: EmbeddingCache) -> NodeIndex:
+    return cache._node
+
+
+def test_get_many_answers_in_key_order_and_pins_like_get(config: CacheConfig) -> None:
+    with EmbeddingCache(config) as cache:
+        names = [f"k{i}" for i in range(10)]
+        for name in names[::2]:
+            cache.put(key_of(name), expected_value(name))
+        before = cache.stats()
+        values = cache.get_many([key_of(name) for name in [*names, "k0"]], request_id="r")
+        assert [value is not None for value in values] == [i % 2 == 0 for i in range(10)] + [True]
+        for name, value in zip([*names, "k0"], values, strict=True):
+            if value is not None:
+                assert torch.equal(value, expected_value(name))
+        stats = cache.stats()
+        assert (stats["hits_node"] - before["hits_node"], stats["misses"] - before["misses"]) == (6, 5)
+        assert cache.cleanup_request("r") == 6  # one request reference per hit, as `get` takes
+        del values, value
+        settle()
+        assert cache.stats()["references"] == 0
+        assert audit(node_of(cache)) == []
+
+
+def test_get_many_with_a_live_view_is_a_repeat_hit(config: CacheConfig) -> None:
+    with EmbeddingCache(config) as cache:
+        cache.put(key_of("a"), expected_value("a"))
+        held = cache.get(key_of("a"))
+        assert held is not None
+        again = cache.get_many([key_of("a"), key_of("b")])
+        assert again[0] is not None and again[0].data_ptr() == held.data_ptr() and again[1] is None
+        assert cache.stats()["hits_process"] == 1
+
+
+def test_get_many_refuses_a_bad_key_before_pinning_anything(config: CacheConfig) -> None:
+    with EmbeddingCache(config) as cache:
+        cache.put(key_of("a"), expected_value("a"))
+        with pytest.raises(InvalidKey):
+            cache.get_many([key_of("a"), "not a key"])  # type: ignore[list-item]
+        assert node_of(cache).pins.held() == {}
+        assert cache.stats()["hits_node"] == 0
+
+
+def test_get_many_out_of_pin_records_gives_every_pin_back(config: CacheConfig) -> None:
+    small = sample_cache_config(config.namespace, max_pins_per_process=16)
+    with EmbeddingCache(small) as cache:
+        names = [f"k{i}" for i in range(20)]
+        for name in names:
+            cache.put(key_of(name), expected_value(name, 16))
+        with pytest.raises(CapacityError, match="max_pins_per_process"):
+            cache.get_many([key_of(name) for name in names], request_id="r")
+        assert node_of(cache).pins.held() == {}
+        assert cache.stats()["references"] == 0 and cache.cleanup_request("r") == 0
+        assert (
+            len([v for v in cache.get_many([key_of(name) for name in names[:7]], "r") if v is not None]) == 7
+        )
+
+
+def test_contains_is_lock_free_and_agrees_with_get(config: CacheConfig) -> None:
+    with EmbeddingCache(sample_cache_config(config.namespace, ttl_s=0.5)) as cache:
+        cache.put(key_of("a"), expected_value("a"))
+        assert cache.contains(key_of("a")) and not cache.contains(key_of("b"))
+        assert cache.contains_many([key_of("b"), key_of("a"), key_of("a")]) == [False, True, True]
+        assert cache.stats()["references"] == 0 and cache.stats()["hits_node"] == 0  # no pin, no count
+        time.sleep(0.8)
+        assert cache.contains_many([key_of("a")]) == [False]  # expired: a miss for everyone
+        assert cache.get(key_of("a")) is None
+
+
+def test_a_stripe_whose_holder_died_inside_is_repaired_by_the_next_lookup(config: CacheConfig) -> None:
+    with EmbeddingCache(config) as cache:
+        victim = spawn(workers.crash_at, config, CrashPoint.IN_STRIPE_SECTION.value)
+        victim.join(60)
+        assert victim.exitcode == -9
+        repairs = cache.stats()["repairs"]
+        assert cache.get(key_of("a")) is None  # the native lookup hands the stripe to the repair
+        assert cache.stats()["repairs"] == repairs + 1
+        assert torch.equal(
+            cache.get_or_compute(key_of("a"), lambda: expected_value("a")), expected_value("a")
+        )
+        cache.gc()
+        assert audit(node_of(cache)) == []
+
+
+def test_pin_bookkeeping_matches_a_model_under_random_churn(config: CacheConfig) -> None:
+    """Adds and removes in random order, with collisions in the native hash table and every pin
+    record in use at times; the shared pin records must say what a plain dict says."""
+    pins_per_process = 16
+    with EmbeddingCache(
+        sample_cache_config(config.namespace, max_pins_per_process=pins_per_process)
+    ) as cache:
+        pins = node_of(cache).pins
+        rng = random.Random(7)
+        model: dict[tuple[int, int], int] = {}
+        for _ in range(5000):
+            entry = (rng.randrange(40), rng.randrange(1, 4))
+            if rng.random() < 0.5:
+                n = rng.randrange(1, 3)
+                if entry not in model and len(model) == pins_per_process:
+                    with pytest.raises(CapacityError):
+                        pins.add(*entry, n)
+                    continue
+                pins.add(*entry, n)
+                model[entry] = model.get(entry, 0) + n
+            else:
+                n = rng.randrange(1, 4)
+                assert pins.remove(*entry, n) == min(n, model.get(entry, 0))
+                if entry in model:
+                    model[entry] -= min(n, model[entry])
+                    if not model[entry]:
+                        del model[entry]
+            assert pins.held() == model
+            assert pins.spare == pins_per_process - len(model)
+        row = node_of(cache).client
+        shared = {(int(p["slot"]), int(p["gen"])): int(p["count"]) for p in pins.array[row] if p["count"]}
+        assert shared == model
+        for entry, n in list(model.items()):
+            pins.remove(*entry, n)
