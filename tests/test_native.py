@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import gc
 import random
+import threading
 import time
 
 import pytest
 import torch
 
-from shmcache import CacheConfig, CapacityError, EmbeddingCache, InvalidKey
+from shmcache import CacheClosed, CacheConfig, CapacityError, EmbeddingCache, InvalidKey
 from shmcache.node.audit import audit
 from shmcache.node.crashpoints import CrashPoint
 from shmcache.node.index import NodeIndex
+from shmcache.node.layout import needle_of
 from shmcache.testing import sample_cache_config
 from tests import workers
 from tests.helpers import spawn
@@ -144,3 +146,28 @@ def test_pin_bookkeeping_matches_a_model_under_random_churn(config: CacheConfig)
         assert shared == model
         for entry, n in list(model.items()):
             pins.remove(*entry, n)
+
+
+def test_a_lookup_that_waited_through_a_detach_raises_cache_closed(config: CacheConfig) -> None:
+    """A thread's lookup waits for a stripe while another thread closes the cache: once it gets
+    the stripe, it must not pin through a client record it no longer has."""
+    with EmbeddingCache(config) as keeper:  # keeps the namespace alive and holds the stripe
+        keeper.put(key_of("a"), expected_value("a"))
+        cache = EmbeddingCache(config)
+        outcome: list[object] = []
+
+        def look() -> None:
+            try:
+                outcome.append(cache.get(key_of("a")))
+            except CacheClosed as exc:
+                outcome.append(exc)
+
+        section = keeper._node.sections.stripe(keeper._node.stripe_of(needle_of(key_of("a"))))
+        with section:
+            waiter = threading.Thread(target=look)
+            waiter.start()
+            time.sleep(0.3)  # the lookup waits for the stripe, the GIL released
+            cache.close()
+        waiter.join(30)
+        assert len(outcome) == 1 and isinstance(outcome[0], CacheClosed), outcome
+        assert audit(node_of(keeper)) == []

@@ -1,6 +1,5 @@
 """One workload, every alternative: no cache, per-process LRU (the RFC), Redis, Mooncake Store alone,
-Ray's object store (plasma), shmcache (node layer), shmcache with its remote layer, and a plain
-memcpy as the copying floor.
+shmcache (node layer), shmcache with its remote layer, and a plain memcpy as the copying floor.
 
     python -m tools.bench                         # P = 1, 4, 8 processes; writes bench-out/
     python -m tools.bench --quick                 # seconds: what the smoke test runs
@@ -10,9 +9,8 @@ P processes issue requests over a Zipf-distributed set of inputs whose values ra
 producing the value). After a warm-up pass, each process measures its own requests. Output per
 system: hit p50/p99, miss p50, encoder forwards, node memory, requests/s, and ratios against
 shmcache: a markdown table, a JSON file and a PNG plot in --out.
-Redis (`redis-server`, Debian), Mooncake (`shmcache[mooncake]`) and a Ray head node
-(`shmcache[bench]`) are started and stopped here on 127.0.0.1; a system whose server is not
-installed is reported as skipped. Each system's client and
+Redis (`redis-server`, Debian) and Mooncake (`shmcache[mooncake]`) are started and stopped here on
+127.0.0.1; a system whose server is not installed is reported as skipped. Each system's client and
 servers are in tools/bench_backends.py.
 """
 
@@ -33,7 +31,7 @@ import numpy as np
 
 from tools.bench_backends import WIDTH, client_for, start_servers
 
-SYSTEMS = ("none", "lru", "redis", "mooncake", "ray", "shmcache", "shmcache+remote", "memcpy")
+SYSTEMS = ("none", "lru", "redis", "mooncake", "shmcache", "shmcache+remote", "memcpy")
 FULL_SIZES = (1 << 10, 64 << 10, 1 << 20, 8 << 20, 64 << 20)
 QUICK_SIZES = (1 << 10, 64 << 10, 256 << 10)
 
@@ -130,7 +128,7 @@ def _summarise(
         if (found := [h for r in reports for s, h in r["hits"] if s == size])
     }
     misses = [m for r in reports for m in r["misses"]]
-    per_process = system in ("lru", "mooncake", "ray", "memcpy")  # copies held (or placed) by each process
+    per_process = system in ("lru", "mooncake", "memcpy")  # copies held (or placed) by each process
     node_total = (
         sum(r["node_bytes"] for r in reports) if per_process else max(r["node_bytes"] for r in reports)
     )

@@ -3,9 +3,7 @@
     python -m tools.bench_node [--quick] [--json out.json]
 
 1. cross-process hit p50/p99 for 1 KiB, 1 MiB, 8 MiB, 64 MiB (entries written by another process;
-   each get is a node hit: the previous view is dropped first), back to back and after 10 ms idle;
-   beside it, Ray's plasma store: a zero-copy `ray.get` from a second process (a Ray actor) of an
-   object of the same size whose reference it holds (only with `pip install 'shmcache[bench]'`)
+   each get is a node hit: the previous view is dropped first), back to back and after 10 ms idle
 2. repeat hit in the same process while a view is alive
 3. `get_many` of 64 hits (4 KiB entries of another process), and the existence check
    (`contains`, `contains_many` of 64): no pin, no view
@@ -31,7 +29,6 @@ import torch
 
 from shmcache import CacheConfig, EmbeddingCache, EmbeddingCacheKey, destroy_namespace
 from shmcache.testing import sample_preprocessing
-from tools.bench_backends import plasma_hits
 
 SIZES = {"1 KiB": 1 << 10, "1 MiB": 1 << 20, "8 MiB": 8 << 20, "64 MiB": 64 << 20}
 
@@ -300,7 +297,6 @@ def run(quick: bool) -> dict[str, Any]:
     return {
         "cross_process_hit": cross_process_hits(rounds, idle=0.0),
         "cross_process_hit_after_idle": cross_process_hits(rounds // 4, idle=0.01),
-        "plasma_hit": plasma_hits(SIZES, rounds),
         "repeat_hit": repeat_hits(rounds * 10),
         "get_many_and_exists": many_and_exists(rounds),
         "put_8mib": put_vs_memcpy(20 if quick else 60),
@@ -312,11 +308,9 @@ def run(quick: bool) -> dict[str, Any]:
 
 def report(results: dict[str, Any]) -> str:
     lines = ["| measurement | p50 | p99 / other | target |", "|---|---|---|---|"]
-    plasma = results["plasma_hit"] or {}
     for label, row in results["cross_process_hit"].items():
         p50, p99 = row["p50_us"], row["p99_us"]
-        peer = f"; plasma {plasma[label]['p50_us']:.1f} µs" if label in plasma else ""
-        lines.append(f"| cross-process hit, {label} | {p50:.1f} µs | {p99:.1f} µs{peer} | p50 ≤ 5 µs, flat |")
+        lines.append(f"| cross-process hit, {label} | {p50:.1f} µs | {p99:.1f} µs | p50 ≤ 5 µs, flat |")
     for label, row in results["cross_process_hit_after_idle"].items():
         p50, p99 = row["p50_us"], row["p99_us"]
         lines.append(f"| same, after 10 ms idle, {label} | {p50:.1f} µs | {p99:.1f} µs | (cold CPU) |")

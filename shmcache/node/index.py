@@ -229,7 +229,7 @@ class NodeIndex:
         left = self.native.release(sorted((slot, gen, count) for (slot, gen), count in counts.items()))
         for slot, gen, count in left:
             with self.sections.stripe(slot // self.layout.ways):
-                while not self.native.unpin_in(slot, gen, count):
+                if not self.native.unpin_in(slot, gen, count):  # our pins are off a damaged record
                     self.repairs.quarantine(slot)
 
     def add_ref(self, slot: int, gen: int) -> bool:

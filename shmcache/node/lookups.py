@@ -56,7 +56,7 @@ class Lookups:
         records, a lock timeout), the hits already pinned are given to `release` first."""
         try:
             answers = self._native.lookup_many(needles, pins)
-        except Exception as exc:
+        except BaseException as exc:  # KeyboardInterrupt too: a wait for a stripe is interruptible
             release(_pins(getattr(exc, "answers", []), pins))
             raise
         hits: list[_native.Hit | None] = []

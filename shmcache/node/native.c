@@ -368,6 +368,10 @@ static void write_pin(Index *ix, int32_t index, int32_t slot, uint32_t n, uint64
 /* Add `n` pins on (slot, gen); -1 with CapacityError when every pin record is in use. The caller
  * holds the slot's stripe section and adds `n` to the refcount. */
 static int pin_add(Index *ix, int32_t slot, uint64_t gen, uint32_t n) {
+    if (ix->row < 0) { /* detached while a caller waited for its stripe: no record to pin in */
+        PyErr_SetString(CacheClosed, "this process detached from the namespace");
+        return -1;
+    }
     Py_ssize_t b = find_bucket(ix, slot, gen);
     if (b >= 0) {
         int32_t index = ix->table[b].index;
@@ -390,7 +394,7 @@ static int pin_add(Index *ix, int32_t slot, uint64_t gen, uint32_t n) {
 
 /* Remove up to `n` pins on (slot, gen): how many were held. */
 static uint32_t pin_remove(Index *ix, int32_t slot, uint64_t gen, uint32_t n) {
-    Py_ssize_t b = find_bucket(ix, slot, gen);
+    Py_ssize_t b = ix->row < 0 ? -1 : find_bucket(ix, slot, gen);
     if (b < 0) {
         return 0;
     }
@@ -409,6 +413,8 @@ static uint32_t pin_remove(Index *ix, int32_t slot, uint64_t gen, uint32_t n) {
 typedef struct {
     Py_ssize_t slot;
     record_t rec;
+    int has_attachment;
+    char attachment[ATTACHMENT_SIZE]; /* copied inside the section: its writers hold it too */
 } hit_t;
 
 static Py_ssize_t stripe_of(Index *ix, const char *needle) {
@@ -455,18 +461,26 @@ static int hit_in(Index *ix, Py_ssize_t stripe, const char *needle, double now, 
         touch(ix, slot, now);
         out->slot = slot;
         out->rec = rec;
+        char *at = ix->base + ix->attachments_off + ATTACHMENT_SIZE * slot;
+        uint64_t stamped;
+        memcpy(&stamped, at, 8);
+        out->has_attachment = rec.gen != 0 && stamped == rec.gen;
+        if (out->has_attachment) {
+            memcpy(out->attachment, at, ATTACHMENT_SIZE);
+        }
         return R_HIT;
     }
     return R_MISS;
 }
 
-/* Drop `n` of our pins on (slot, gen). R_DAMAGED: the record fails its crc (nothing changed). */
+/* Drop `n` of our pins on (slot, gen). R_DAMAGED: the record fails its crc (our pins are gone:
+ * the caller quarantines it, and the recount there no longer counts them). */
 static int unpin_in(Index *ix, int32_t slot, uint64_t gen, uint32_t n) {
+    uint32_t taken = pin_remove(ix, slot, gen, n);
     record_t rec;
     if (!read_record(ix, slot, &rec)) {
         return R_DAMAGED;
     }
-    uint32_t taken = pin_remove(ix, slot, gen, n);
     if (taken == 0 || rec.gen != gen || (rec.state != SEALED && rec.state != STALE)) {
         return R_MISS;
     }
@@ -489,19 +503,10 @@ static PyTypeObject SlowType = {
 };
 static PyObject *SLOW;
 
-static PyObject *attachment_of(Index *ix, Py_ssize_t slot, uint64_t gen) {
-    char *at = ix->base + ix->attachments_off + ATTACHMENT_SIZE * slot;
-    uint64_t stamped;
-    memcpy(&stamped, at, 8);
-    if (gen == 0 || stamped != gen) {
-        Py_RETURN_NONE;
-    }
-    return PyBytes_FromStringAndSize(at, ATTACHMENT_SIZE);
-}
-
 /* A hit as (slot, gen, offset, size, attachment) */
-static PyObject *hit_tuple(Index *ix, const hit_t *hit) {
-    PyObject *attachment = attachment_of(ix, hit->slot, hit->rec.gen);
+static PyObject *hit_tuple(const hit_t *hit) {
+    PyObject *attachment =
+        hit->has_attachment ? PyBytes_FromStringAndSize(hit->attachment, ATTACHMENT_SIZE) : Py_NewRef(Py_None);
     if (attachment == NULL) {
         return NULL;
     }
@@ -518,7 +523,18 @@ static int check_needle(PyObject *needle, const char **bytes) {
     return 0;
 }
 
+static int check_ready(Index *ix) {
+    if (ix->base == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "the Index was not initialised");
+        return -1;
+    }
+    return 0;
+}
+
 static int check_slot(Index *ix, Py_ssize_t slot) {
+    if (check_ready(ix) < 0) {
+        return -1;
+    }
     if (slot < 0 || slot >= ix->slots) {
         PyErr_Format(PyExc_IndexError, "slot %zd out of range", slot);
         return -1;
@@ -527,6 +543,9 @@ static int check_slot(Index *ix, Py_ssize_t slot) {
 }
 
 static int check_bound(Index *ix) {
+    if (check_ready(ix) < 0) {
+        return -1;
+    }
     if (ix->row < 0) {
         PyErr_SetString(CacheClosed, "no client record is bound (detached)");
         return -1;
@@ -535,14 +554,17 @@ static int check_bound(Index *ix) {
 }
 
 /* One whole lookup transaction: the answer for one needle, or SLOW, or NULL on error. */
-static PyObject *lookup_one(Index *ix, const char *needle, double now, uint32_t pins) {
+static PyObject *lookup_one(Index *ix, const char *needle, uint32_t pins) {
     Py_ssize_t stripe = stripe_of(ix, needle);
     int entered = enter_stripe_fast(ix, stripe);
     if (entered <= 0) {
         return entered < 0 ? NULL : Py_NewRef(SLOW);
     }
     hit_t hit;
-    int found = hit_in(ix, stripe, needle, now, pins, &hit);
+    /* the clock is read in the section (a wait for the stripe must not age the stamp), and the
+     * row is checked again: another thread may have detached while this one waited */
+    int found = ix->row < 0 ? (PyErr_SetString(CacheClosed, "this process detached from the namespace"), R_ERROR)
+                            : hit_in(ix, stripe, needle, monotonic_now(), pins, &hit);
     /* every path below leaves cleanly: a step writes whole records only, and R_ERROR
      * (CapacityError) is raised before anything is written */
     if (leave_stripe(ix, stripe) < 0) {
@@ -550,7 +572,7 @@ static PyObject *lookup_one(Index *ix, const char *needle, double now, uint32_t 
     }
     switch (found) {
     case R_HIT:
-        return hit_tuple(ix, &hit);
+        return hit_tuple(&hit);
     case R_MISS:
         Py_RETURN_NONE;
     case R_DAMAGED:
@@ -560,20 +582,78 @@ static PyObject *lookup_one(Index *ix, const char *needle, double now, uint32_t 
     }
 }
 
+/* Argument converters: each checks its own result, so no conversion runs with an error pending. */
+static int usage_error(Py_ssize_t nargs, Py_ssize_t want, const char *usage) {
+    if (nargs != want) {
+        PyErr_Format(PyExc_TypeError, "%s", usage);
+        return -1;
+    }
+    return 0;
+}
+
+static int as_ssize(PyObject *o, Py_ssize_t *out) {
+    *out = PyLong_AsSsize_t(o);
+    return *out == -1 && PyErr_Occurred() ? -1 : 0;
+}
+
+static int as_u64(PyObject *o, uint64_t *out) {
+    unsigned long long v = PyLong_AsUnsignedLongLong(o);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+        return -1;
+    }
+    *out = v;
+    return 0;
+}
+
+static int as_u32(PyObject *o, uint32_t *out) {
+    unsigned long v = PyLong_AsUnsignedLong(o);
+    if (v == (unsigned long)-1 && PyErr_Occurred()) {
+        return -1;
+    }
+    if (v > UINT32_MAX) {
+        PyErr_SetString(PyExc_OverflowError, "a count must fit in 32 bits");
+        return -1;
+    }
+    *out = (uint32_t)v;
+    return 0;
+}
+
+static int as_int(PyObject *o, int *out) {
+    long v = PyLong_AsLong(o);
+    if (v == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    if (v < INT32_MIN || v > INT32_MAX) {
+        PyErr_SetString(PyExc_OverflowError, "an index must fit in 32 bits");
+        return -1;
+    }
+    *out = (int)v;
+    return 0;
+}
+
+static int as_double(PyObject *o, double *out) {
+    *out = PyFloat_AsDouble(o);
+    return *out == -1.0 && PyErr_Occurred() ? -1 : 0;
+}
+
+/* (slot, gen, count) arguments of the pin calls */
+static int pin_args(Index *ix, PyObject *const *args, Py_ssize_t nargs, const char *usage, Py_ssize_t *slot,
+                    uint64_t *gen, uint32_t *n) {
+    if (usage_error(nargs, 3, usage) < 0 || check_bound(ix) < 0 || as_ssize(args[0], slot) < 0 ||
+        as_u64(args[1], gen) < 0 || as_u32(args[2], n) < 0) {
+        return -1;
+    }
+    return check_slot(ix, *slot);
+}
+
 static PyObject *Index_lookup(Index *ix, PyObject *const *args, Py_ssize_t nargs) {
     const char *needle;
-    unsigned long pins;
-    if (nargs != 2 || check_needle(args[0], &needle) < 0 || check_bound(ix) < 0) {
-        if (!PyErr_Occurred()) {
-            PyErr_SetString(PyExc_TypeError, "lookup(needle, pins)");
-        }
+    uint32_t pins;
+    if (usage_error(nargs, 2, "lookup(needle, pins)") < 0 || check_needle(args[0], &needle) < 0 ||
+        as_u32(args[1], &pins) < 0 || check_bound(ix) < 0) {
         return NULL;
     }
-    pins = PyLong_AsUnsignedLong(args[1]);
-    if (pins == (unsigned long)-1 && PyErr_Occurred()) {
-        return NULL;
-    }
-    return lookup_one(ix, needle, monotonic_now(), (uint32_t)pins);
+    return lookup_one(ix, needle, pins);
 }
 
 static PyObject *Index_lookup_many(Index *ix, PyObject *const *args, Py_ssize_t nargs) {
@@ -581,25 +661,30 @@ static PyObject *Index_lookup_many(Index *ix, PyObject *const *args, Py_ssize_t 
         PyErr_SetString(PyExc_TypeError, "lookup_many(needles: list[bytes], pins)");
         return NULL;
     }
-    unsigned long pins = PyLong_AsUnsignedLong(args[1]);
-    if ((pins == (unsigned long)-1 && PyErr_Occurred()) || check_bound(ix) < 0) {
+    uint32_t pins;
+    if (as_u32(args[1], &pins) < 0 || check_bound(ix) < 0) {
         return NULL;
     }
-    PyObject *needles = args[0];
-    Py_ssize_t n = PyList_GET_SIZE(needles);
+    /* our own references: the caller's list may change while a wait releases the GIL */
+    PyObject *needles = PyList_AsTuple(args[0]);
+    if (needles == NULL) {
+        return NULL;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(needles);
     for (Py_ssize_t i = 0; i < n; i++) { /* every needle is checked before any lookup */
         const char *needle;
-        if (check_needle(PyList_GET_ITEM(needles, i), &needle) < 0) {
+        if (check_needle(PyTuple_GET_ITEM(needles, i), &needle) < 0) {
+            Py_DECREF(needles);
             return NULL;
         }
     }
     PyObject *out = PyList_New(n);
     if (out == NULL) {
+        Py_DECREF(needles);
         return NULL;
     }
-    double now = monotonic_now();
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *answer = lookup_one(ix, PyBytes_AS_STRING(PyList_GET_ITEM(needles, i)), now, (uint32_t)pins);
+        PyObject *answer = lookup_one(ix, PyBytes_AS_STRING(PyTuple_GET_ITEM(needles, i)), pins);
         if (answer == NULL) {
             /* the hits before this one stay pinned: the caller releases them (it gets them back
              * through the exception's `answers` attribute) */
@@ -611,11 +696,13 @@ static PyObject *Index_lookup_many(Index *ix, PyObject *const *args, Py_ssize_t 
                 PyErr_Clear();
             }
             Py_DECREF(out);
+            Py_DECREF(needles);
             PyErr_Restore(type, value, tb);
             return NULL;
         }
         PyList_SET_ITEM(out, i, answer);
     }
+    Py_DECREF(needles);
     return out;
 }
 
@@ -623,17 +710,10 @@ static PyObject *Index_hit_in(Index *ix, PyObject *const *args, Py_ssize_t nargs
     const char *needle;
     Py_ssize_t stripe;
     double now;
-    unsigned long pins;
-    if (nargs != 4 || check_needle(args[1], &needle) < 0 || check_bound(ix) < 0) {
-        if (!PyErr_Occurred()) {
-            PyErr_SetString(PyExc_TypeError, "hit_in(stripe, needle, now, pins)");
-        }
-        return NULL;
-    }
-    stripe = PyLong_AsSsize_t(args[0]);
-    now = PyFloat_AsDouble(args[2]);
-    pins = PyLong_AsUnsignedLong(args[3]);
-    if (PyErr_Occurred()) {
+    uint32_t pins;
+    if (usage_error(nargs, 4, "hit_in(stripe, needle, now, pins)") < 0 || check_bound(ix) < 0 ||
+        as_ssize(args[0], &stripe) < 0 || check_needle(args[1], &needle) < 0 || as_double(args[2], &now) < 0 ||
+        as_u32(args[3], &pins) < 0) {
         return NULL;
     }
     if (stripe < 0 || stripe >= ix->stripes) {
@@ -641,9 +721,9 @@ static PyObject *Index_hit_in(Index *ix, PyObject *const *args, Py_ssize_t nargs
         return NULL;
     }
     hit_t hit;
-    switch (hit_in(ix, stripe, needle, now, (uint32_t)pins, &hit)) {
+    switch (hit_in(ix, stripe, needle, now, pins, &hit)) {
     case R_HIT:
-        return hit_tuple(ix, &hit);
+        return hit_tuple(&hit);
     case R_MISS:
         Py_RETURN_NONE;
     case R_DAMAGED:
@@ -681,13 +761,16 @@ static PyObject *contains_one(Index *ix, const char *needle, double now) {
 
 static PyObject *Index_contains(Index *ix, PyObject *needle) {
     const char *bytes;
-    if (check_needle(needle, &bytes) < 0) {
+    if (check_ready(ix) < 0 || check_needle(needle, &bytes) < 0) {
         return NULL;
     }
     return contains_one(ix, bytes, monotonic_now());
 }
 
 static PyObject *Index_contains_many(Index *ix, PyObject *needles) {
+    if (check_ready(ix) < 0) {
+        return NULL;
+    }
     if (!PyList_Check(needles)) {
         PyErr_SetString(PyExc_TypeError, "contains_many(needles: list[bytes])");
         return NULL;
@@ -710,64 +793,62 @@ static PyObject *Index_contains_many(Index *ix, PyObject *needles) {
     return out;
 }
 
+/* One (slot, gen, count) item of `release`. */
+static int release_item(Index *ix, PyObject *item, Py_ssize_t *slot, uint64_t *gen, uint32_t *n) {
+    if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 3) {
+        PyErr_SetString(PyExc_TypeError, "release(pins: list[tuple[int, int, int]])");
+        return -1;
+    }
+    return pin_args(ix, &PyTuple_GET_ITEM(item, 0), 3, "", slot, gen, n);
+}
+
 /* release(pins: list[(slot, gen, count)]) sorted by slot: drops them stripe by stripe; returns
- * the entries it could not drop natively (their stripe needs a repair, or a record is damaged),
- * for the locked Python path. */
-static PyObject *Index_release(Index *ix, PyObject *pins) {
-    if (!PyList_Check(pins) || check_bound(ix) < 0) {
+ * the entries it could not finish natively (their stripe needs a repair, or a record is
+ * damaged), for the locked Python path. */
+static PyObject *Index_release(Index *ix, PyObject *arg) {
+    if (!PyList_Check(arg) || check_bound(ix) < 0) {
         if (!PyErr_Occurred()) {
             PyErr_SetString(PyExc_TypeError, "release(pins: list[tuple[int, int, int]])");
         }
         return NULL;
     }
-    Py_ssize_t n = PyList_GET_SIZE(pins);
-    PyObject *left = PyList_New(0);
+    PyObject *pins = PyList_AsTuple(arg); /* our references: a wait releases the GIL */
+    PyObject *left = pins == NULL ? NULL : PyList_New(0);
     if (left == NULL) {
+        Py_XDECREF(pins);
         return NULL;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(pins), slot;
+    uint64_t gen;
+    uint32_t count_;
+    for (Py_ssize_t i = 0; i < n; i++) { /* every item is checked before anything is released */
+        if (release_item(ix, PyTuple_GET_ITEM(pins, i), &slot, &gen, &count_) < 0) {
+            goto error;
+        }
     }
     Py_ssize_t i = 0;
     while (i < n) {
-        Py_ssize_t slot;
-        unsigned long long gen;
-        unsigned int count_;
-        if (!PyArg_ParseTuple(PyList_GET_ITEM(pins, i), "nKI", &slot, &gen, &count_) || check_slot(ix, slot) < 0) {
-            goto error;
-        }
-        Py_ssize_t stripe = slot / ix->ways;
-        Py_ssize_t end = i; /* this stripe's run: [i, end) */
-        while (end < n) {
-            PyObject *item = PyList_GET_ITEM(pins, end);
-            if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 3) {
-                PyErr_SetString(PyExc_TypeError, "release(pins: list[tuple[int, int, int]])");
-                goto error;
-            }
-            Py_ssize_t s = PyLong_AsSsize_t(PyTuple_GET_ITEM(item, 0));
-            if (s == -1 && PyErr_Occurred()) {
-                goto error;
-            }
-            if (s / ix->ways != stripe) {
-                break;
-            }
+        release_item(ix, PyTuple_GET_ITEM(pins, i), &slot, &gen, &count_);
+        Py_ssize_t stripe = slot / ix->ways, end = i + 1; /* this stripe's run: [i, end) */
+        while (end < n && PyLong_AsSsize_t(PyTuple_GET_ITEM(PyTuple_GET_ITEM(pins, end), 0)) / ix->ways == stripe) {
             end++;
         }
         int entered = enter_stripe_fast(ix, stripe);
         if (entered < 0) {
             goto error;
         }
+        if (entered && ix->row < 0) { /* detached while we waited: our pins went with the record */
+            leave_stripe(ix, stripe);
+            PyErr_SetString(CacheClosed, "this process detached from the namespace");
+            goto error;
+        }
         for (; i < end; i++) {
-            PyObject *item = PyList_GET_ITEM(pins, i);
-            if (!entered) {
-                if (PyList_Append(left, item) < 0) {
-                    goto error;
+            PyObject *item = PyTuple_GET_ITEM(pins, i);
+            release_item(ix, item, &slot, &gen, &count_);
+            if ((!entered || unpin_in(ix, (int32_t)slot, gen, count_) == R_DAMAGED) && PyList_Append(left, item) < 0) {
+                if (entered) {
+                    leave_stripe(ix, stripe);
                 }
-                continue;
-            }
-            if (!PyArg_ParseTuple(item, "nKI", &slot, &gen, &count_) || check_slot(ix, slot) < 0) {
-                leave_stripe(ix, stripe);
-                goto error;
-            }
-            if (unpin_in(ix, (int32_t)slot, gen, count_) == R_DAMAGED && PyList_Append(left, item) < 0) {
-                leave_stripe(ix, stripe);
                 goto error;
             }
         }
@@ -775,51 +856,38 @@ static PyObject *Index_release(Index *ix, PyObject *pins) {
             goto error;
         }
     }
+    Py_DECREF(pins);
     return left;
 error:
+    Py_DECREF(pins);
     Py_DECREF(left);
     return NULL;
 }
 
 static PyObject *Index_unpin_in(Index *ix, PyObject *const *args, Py_ssize_t nargs) {
     Py_ssize_t slot;
-    unsigned long long gen;
-    unsigned long n;
-    if (nargs != 3 || check_bound(ix) < 0) {
-        if (!PyErr_Occurred()) {
-            PyErr_SetString(PyExc_TypeError, "unpin_in(slot, gen, count)");
-        }
+    uint64_t gen;
+    uint32_t n;
+    if (pin_args(ix, args, nargs, "unpin_in(slot, gen, count)", &slot, &gen, &n) < 0) {
         return NULL;
     }
-    slot = PyLong_AsSsize_t(args[0]);
-    gen = PyLong_AsUnsignedLongLong(args[1]);
-    n = PyLong_AsUnsignedLong(args[2]);
-    if (PyErr_Occurred() || check_slot(ix, slot) < 0) {
-        return NULL;
-    }
-    return PyBool_FromLong(unpin_in(ix, (int32_t)slot, gen, (uint32_t)n) != R_DAMAGED);
+    return PyBool_FromLong(unpin_in(ix, (int32_t)slot, gen, n) != R_DAMAGED);
 }
 
 static int slot_now_args(Index *ix, PyObject *const *args, Py_ssize_t nargs, const char *usage, Py_ssize_t *slot,
-                         double *second) {
-    if (nargs != 2) {
-        PyErr_Format(PyExc_TypeError, "%s", usage);
+                         double *now) {
+    if (usage_error(nargs, 2, usage) < 0 || as_ssize(args[0], slot) < 0 || as_double(args[1], now) < 0) {
         return -1;
     }
-    *slot = PyLong_AsSsize_t(args[0]);
-    *second = PyFloat_AsDouble(args[1]);
-    return PyErr_Occurred() || check_slot(ix, *slot) < 0 ? -1 : 0;
+    return check_slot(ix, *slot);
 }
 
 /* The repeat-hit check (rule 4): (slot, gen) is still sealed and unexpired; stamps the access. */
 static PyObject *Index_repeat_hit(Index *ix, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "repeat_hit(slot, gen)");
-        return NULL;
-    }
-    Py_ssize_t slot = PyLong_AsSsize_t(args[0]);
-    unsigned long long gen = PyLong_AsUnsignedLongLong(args[1]);
-    if (PyErr_Occurred() || check_slot(ix, slot) < 0) {
+    Py_ssize_t slot;
+    uint64_t gen;
+    if (usage_error(nargs, 2, "repeat_hit(slot, gen)") < 0 || as_ssize(args[0], &slot) < 0 ||
+        as_u64(args[1], &gen) < 0 || check_slot(ix, slot) < 0) {
         return NULL;
     }
     char *at = slot_at(ix, slot);
@@ -854,16 +922,15 @@ static PyObject *Index_expired(Index *ix, PyObject *const *args, Py_ssize_t narg
 
 /* ----------------------------------------------------------------- primitives for Python */
 static PyObject *Index_enter(Index *ix, PyObject *const *args, Py_ssize_t nargs) {
+    int sem;
+    Py_ssize_t held_off;
     const char *what;
-    if (nargs != 3 || !PyUnicode_Check(args[2]) || (what = PyUnicode_AsUTF8(args[2])) == NULL) {
-        if (!PyErr_Occurred()) {
-            PyErr_SetString(PyExc_TypeError, "enter(sem, held_off, what)");
-        }
+    if (usage_error(nargs, 3, "enter(sem, held_off, what)") < 0 || check_ready(ix) < 0 || as_int(args[0], &sem) < 0 ||
+        as_ssize(args[1], &held_off) < 0 || (what = PyUnicode_AsUTF8(args[2])) == NULL) {
         return NULL;
     }
-    int sem = (int)PyLong_AsLong(args[0]);
-    Py_ssize_t held_off = PyLong_AsSsize_t(args[1]);
-    if (PyErr_Occurred()) {
+    if (held_off < 0 || held_off + 4 > ix->length) {
+        PyErr_SetString(PyExc_IndexError, "held marker out of range");
         return NULL;
     }
     int died = enter(ix, sem, held_off, what);
@@ -871,14 +938,14 @@ static PyObject *Index_enter(Index *ix, PyObject *const *args, Py_ssize_t nargs)
 }
 
 static PyObject *Index_leave(Index *ix, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "leave(sem, held_off, clean)");
+    int sem, clean;
+    Py_ssize_t held_off;
+    if (usage_error(nargs, 3, "leave(sem, held_off, clean)") < 0 || check_ready(ix) < 0 || as_int(args[0], &sem) < 0 ||
+        as_ssize(args[1], &held_off) < 0 || (clean = PyObject_IsTrue(args[2])) < 0) {
         return NULL;
     }
-    int sem = (int)PyLong_AsLong(args[0]);
-    Py_ssize_t held_off = PyLong_AsSsize_t(args[1]);
-    int clean = PyObject_IsTrue(args[2]);
-    if (PyErr_Occurred() || clean < 0) {
+    if (held_off < 0 || held_off + 4 > ix->length) {
+        PyErr_SetString(PyExc_IndexError, "held marker out of range");
         return NULL;
     }
     if (leave(ix, sem, held_off, clean) < 0) {
@@ -888,8 +955,8 @@ static PyObject *Index_leave(Index *ix, PyObject *const *args, Py_ssize_t nargs)
 }
 
 static PyObject *Index_read_record(Index *ix, PyObject *arg) {
-    Py_ssize_t slot = PyLong_AsSsize_t(arg);
-    if ((slot == -1 && PyErr_Occurred()) || check_slot(ix, slot) < 0) {
+    Py_ssize_t slot;
+    if (as_ssize(arg, &slot) < 0 || check_slot(ix, slot) < 0) {
         return NULL;
     }
     record_t r;
@@ -901,36 +968,25 @@ static PyObject *Index_read_record(Index *ix, PyObject *arg) {
 static PyObject *Index_write_record(Index *ix, PyObject *const *args, Py_ssize_t nargs) {
     record_t r;
     Py_ssize_t slot;
-    unsigned long long gen, offset, size;
-    if (nargs != 8) {
-        PyErr_SetString(PyExc_TypeError, "write_record(slot, state, owner, gen, offset, size, sealed_at, refs)");
+    int owner;
+    if (usage_error(nargs, 8, "write_record(slot, state, owner, gen, offset, size, sealed_at, refs)") < 0 ||
+        as_ssize(args[0], &slot) < 0 || as_u32(args[1], &r.state) < 0 || as_int(args[2], &owner) < 0 ||
+        as_u64(args[3], &r.gen) < 0 || as_u64(args[4], &r.offset) < 0 || as_u64(args[5], &r.size) < 0 ||
+        as_double(args[6], &r.sealed_at) < 0 || as_u32(args[7], &r.refs) < 0 || check_slot(ix, slot) < 0) {
         return NULL;
     }
-    slot = PyLong_AsSsize_t(args[0]);
-    r.state = (uint32_t)PyLong_AsUnsignedLong(args[1]);
-    r.owner = (int32_t)PyLong_AsLong(args[2]);
-    gen = PyLong_AsUnsignedLongLong(args[3]);
-    offset = PyLong_AsUnsignedLongLong(args[4]);
-    size = PyLong_AsUnsignedLongLong(args[5]);
-    r.sealed_at = PyFloat_AsDouble(args[6]);
-    r.refs = (uint32_t)PyLong_AsUnsignedLong(args[7]);
-    if (PyErr_Occurred() || check_slot(ix, slot) < 0) {
-        return NULL;
-    }
-    r.gen = gen;
-    r.offset = offset;
-    r.size = size;
+    r.owner = owner;
     write_record(ix, slot, &r);
     Py_RETURN_NONE;
 }
 
 static PyObject *Index_bind(Index *ix, PyObject *arg) {
-    long row = PyLong_AsLong(arg);
-    if (row == -1 && PyErr_Occurred()) {
+    int row;
+    if (check_ready(ix) < 0 || as_int(arg, &row) < 0) {
         return NULL;
     }
     if (row < -1 || row >= ix->clients) {
-        PyErr_Format(PyExc_IndexError, "client row %ld out of range", row);
+        PyErr_Format(PyExc_IndexError, "client row %d out of range", row);
         return NULL;
     }
     ix->row = (int)row;
@@ -945,40 +1001,29 @@ static PyObject *Index_bind(Index *ix, PyObject *arg) {
 }
 
 static PyObject *Index_pin_add(Index *ix, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3 || check_bound(ix) < 0) {
-        if (!PyErr_Occurred()) {
-            PyErr_SetString(PyExc_TypeError, "pin_add(slot, gen, count)");
-        }
-        return NULL;
-    }
-    Py_ssize_t slot = PyLong_AsSsize_t(args[0]);
-    unsigned long long gen = PyLong_AsUnsignedLongLong(args[1]);
-    unsigned long n = PyLong_AsUnsignedLong(args[2]);
-    if (PyErr_Occurred() || check_slot(ix, slot) < 0 || pin_add(ix, (int32_t)slot, gen, (uint32_t)n) < 0) {
+    Py_ssize_t slot;
+    uint64_t gen;
+    uint32_t n;
+    if (pin_args(ix, args, nargs, "pin_add(slot, gen, count)", &slot, &gen, &n) < 0 ||
+        pin_add(ix, (int32_t)slot, gen, n) < 0) {
         return NULL;
     }
     Py_RETURN_NONE;
 }
 
 static PyObject *Index_pin_remove(Index *ix, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3 || check_bound(ix) < 0) {
-        if (!PyErr_Occurred()) {
-            PyErr_SetString(PyExc_TypeError, "pin_remove(slot, gen, count)");
-        }
+    Py_ssize_t slot;
+    uint64_t gen;
+    uint32_t n;
+    if (pin_args(ix, args, nargs, "pin_remove(slot, gen, count)", &slot, &gen, &n) < 0) {
         return NULL;
     }
-    Py_ssize_t slot = PyLong_AsSsize_t(args[0]);
-    unsigned long long gen = PyLong_AsUnsignedLongLong(args[1]);
-    unsigned long n = PyLong_AsUnsignedLong(args[2]);
-    if (PyErr_Occurred() || check_slot(ix, slot) < 0) {
-        return NULL;
-    }
-    return PyLong_FromUnsignedLong(pin_remove(ix, (int32_t)slot, gen, (uint32_t)n));
+    return PyLong_FromUnsignedLong(pin_remove(ix, (int32_t)slot, gen, n));
 }
 
 static PyObject *Index_pins_held(Index *ix, PyObject *Py_UNUSED(ignored)) {
     PyObject *out = PyDict_New();
-    if (out == NULL || ix->row < 0) {
+    if (out == NULL || ix->base == NULL || ix->row < 0) {
         return out;
     }
     for (Py_ssize_t b = 0; b <= ix->table_mask; b++) {
@@ -1004,20 +1049,17 @@ static PyObject *Index_pins_spare(Index *ix, PyObject *Py_UNUSED(ignored)) {
 }
 
 static PyObject *Index_count(Index *ix, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "count(counter, n)");
-        return NULL;
-    }
-    long counter = PyLong_AsLong(args[0]);
-    unsigned long long n = PyLong_AsUnsignedLongLong(args[1]);
-    if (PyErr_Occurred()) {
+    int counter;
+    uint64_t n;
+    if (usage_error(nargs, 2, "count(counter, n)") < 0 || check_ready(ix) < 0 || as_int(args[0], &counter) < 0 ||
+        as_u64(args[1], &n) < 0) {
         return NULL;
     }
     if (counter < 0 || C_COUNTERS + 8 * counter + 8 > CLIENT_HEAD_SIZE) {
-        PyErr_Format(PyExc_IndexError, "counter %ld out of range", counter);
+        PyErr_Format(PyExc_IndexError, "counter %d out of range", counter);
         return NULL;
     }
-    count(ix, (int)counter, n);
+    count(ix, counter, n);
     Py_RETURN_NONE;
 }
 
@@ -1045,8 +1087,14 @@ static int Index_init(Index *ix, PyObject *args, PyObject *kwds) {
         return -1;
     }
     ix->slots = ix->stripes * ix->ways;
-    if (ix->clients_off + ix->client_size * ix->clients > ix->buffer.len ||
-        ix->client_size < CLIENT_HEAD_SIZE + PIN_SIZE * ix->pins) {
+    Py_ssize_t len = ix->buffer.len;
+    int fits = ix->stripes_off + STRIPE_SIZE * ix->stripes <= len && ix->slots_off + SLOT_SIZE * ix->slots <= len &&
+               ix->keys_off + KEY_SIZE * ix->slots <= len &&
+               ix->attachments_off + ATTACHMENT_SIZE * ix->slots <= len &&
+               ix->clients_off + ix->client_size * ix->clients <= len &&
+               ix->client_size >= CLIENT_HEAD_SIZE + PIN_SIZE * ix->pins && ix->stripes_off >= 0 &&
+               ix->slots_off >= 0 && ix->keys_off >= 0 && ix->attachments_off >= 0 && ix->clients_off >= 0;
+    if (!fits) {
         PyBuffer_Release(&ix->buffer);
         PyErr_SetString(PyExc_ValueError, "the buffer is smaller than the layout");
         return -1;
@@ -1059,6 +1107,10 @@ static int Index_init(Index *ix, PyObject *args, PyObject *kwds) {
     ix->free_pins = PyMem_Calloc((size_t)ix->pins, sizeof(int32_t));
     if (ix->table == NULL || ix->free_pins == NULL) {
         PyBuffer_Release(&ix->buffer);
+        PyMem_Free(ix->table);
+        PyMem_Free(ix->free_pins);
+        ix->table = NULL;
+        ix->free_pins = NULL;
         PyErr_NoMemory();
         return -1;
     }
