@@ -4,14 +4,18 @@ process's pin bookkeeping, and the hand-back to the locked Python path."""
 from __future__ import annotations
 
 import gc
+import os
 import random
 import threading
 import time
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from shmcache import CacheClosed, CacheConfig, CapacityError, EmbeddingCache, InvalidKey
+from shmcache.kernel.cowmap import CowMapper
 from shmcache.node.audit import audit
 from shmcache.node.crashpoints import CrashPoint
 from shmcache.node.index import NodeIndex
@@ -171,3 +175,23 @@ def test_a_lookup_that_waited_through_a_detach_raises_cache_closed(config: Cache
         waiter.join(30)
         assert len(outcome) == 1 and isinstance(outcome[0], CacheClosed), outcome
         assert audit(node_of(keeper)) == []
+
+
+def test_a_views_mapping_reports_its_death_once_after_the_last_derived_array(tmp_path: Path) -> None:
+    fd = os.open(tmp_path / "arena", os.O_RDWR | os.O_CREAT)
+    os.ftruncate(fd, 1 << 16)
+    mapper = CowMapper(fd)
+    calls: list[str] = []
+    view = mapper.view(5000, 1000)
+    mapper.on_death(view, calls.append, "released")
+    with pytest.raises(RuntimeError, match="already"):
+        mapper.on_death(view, calls.append, "twice")
+    derived = view[10:20]
+    del view
+    gc.collect()
+    assert calls == []  # a derived array still reads the mapping
+    del derived
+    assert calls == ["released"]
+    with pytest.raises(TypeError):
+        mapper.on_death(np.zeros(4, dtype=np.uint8), calls.append, "not a view")
+    mapper.close()

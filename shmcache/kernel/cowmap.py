@@ -18,7 +18,8 @@ file descriptor for each mapping: a descriptor per live view).
 from __future__ import annotations
 
 import os
-from typing import Any, cast
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
@@ -26,6 +27,8 @@ from shmcache.errors import CacheClosed
 from shmcache.kernel import _mapping
 
 __all__ = ["CowMapper"]
+
+T = TypeVar("T")
 
 
 class CowMapper:
@@ -46,6 +49,15 @@ class CowMapper:
         the mapping is removed when the array (and everything derived from it) is gone.
         `CapacityError` if the process cannot map more (vm.max_map_count, address space)."""
         return np.frombuffer(cast(bytes, _mapping.map_private(self.fd, offset, size)), dtype=np.uint8)
+
+    @staticmethod
+    def on_death(view: np.ndarray[Any, np.dtype[np.uint8]], callback: Callable[[T], object], arg: T) -> None:
+        """Call `callback(arg)` once, right after the mapping under `view` (made by `view()`) is
+        unmapped: when `view` and everything derived from it are gone."""
+        mapping = view.base
+        if not isinstance(mapping, _mapping.Mapping):
+            raise TypeError("not a view made by CowMapper.view")
+        mapping.on_death(callback, arg)
 
     def close(self) -> None:
         """Close the descriptor; views made earlier stay valid."""

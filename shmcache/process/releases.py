@@ -1,9 +1,10 @@
 """The release thread: view pins go back to the node when returned views are garbage collected.
 
-Every zero-copy view derives from one holder array per mapping; a finalizer on the holder only
-enqueues its (slot, gen). One daemon thread per cache wakes on the first item, pauses a few
-milliseconds so releases batch, waits for GPU work still reading released device aliases, then
-drops the pins in one node transaction. `flush` does the same at once in the calling thread.
+Every zero-copy view derives from one holder array per mapping; when the holder dies its mapping
+is unmapped and only enqueues its (slot, gen) (`CowMapper.on_death`). One daemon thread per cache
+wakes on the first item, pauses a few milliseconds so releases batch, waits for GPU work still
+reading released device aliases, then drops the pins in one node transaction. `flush` does the
+same at once in the calling thread.
 """
 
 from __future__ import annotations
@@ -39,12 +40,12 @@ class Releases:
         self._thread.start()
 
     def opened(self) -> None:
-        """One more live mapping (its holder's finalizer will `enqueue` it)."""
+        """One more live mapping (its death will `enqueue` it)."""
         with self._lock:
             self._live += 1
 
     def enqueue(self, pin: tuple[int, int]) -> None:
-        """Finalizer callback: the mapping of (slot, gen) died."""
+        """The death callback of a view's mapping: the mapping of (slot, gen) died."""
         self._queue.put(pin)
 
     def stop(self) -> None:

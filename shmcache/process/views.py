@@ -1,9 +1,10 @@
 """Views: turning a pinned entry into the value returned to the caller, and repeat hits.
 
 Per process there is one live mapping per entry: a holder array made straight from the arena
-mapping (every returned array derives from it, so its finalizer runs only after the last view
-dies and then releases the view pin) and the parsed value format. A repeat hit of the same key
-reuses it without a lock after a lock-free check that (slot, gen) is still sealed and unexpired.
+mapping (every returned array derives from it, so its mapping is unmapped only after the last
+view dies, and then enqueues the release of the view pin) and the parsed value format. A repeat
+hit of the same key reuses it without a lock after a lock-free check that (slot, gen) is still
+sealed and unexpired.
 """
 
 from __future__ import annotations
@@ -136,7 +137,7 @@ class Views:
         node, slot, gen = self._node, sealed.slot, sealed.gen
         # a copy-on-write mapping of the entry (no write reaches the node's copy), made straight
         # as an array (not sliced from another), so that every array derived from it keeps it as
-        # its base: its finalizer then releases the view pin
+        # its base: its mapping's death then releases the view pin
         try:
             holder = self._arena.view(sealed.offset, sealed.size)
             value, parsed, aliased = self._build(key, holder, sealed)
@@ -160,7 +161,7 @@ class Views:
         with self._lock:
             self._local[needle] = mapping
         self._releases.opened()
-        weakref.finalize(holder, self._releases.enqueue, (slot, gen))
+        self._arena.on_death(holder, self._releases.enqueue, (slot, gen))
         return value
 
     def _build(
