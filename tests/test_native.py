@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from shmcache import CacheClosed, CacheConfig, CapacityError, EmbeddingCache, InvalidKey
+from shmcache import ArgumentTypeError, CacheClosed, CacheConfig, CapacityError, EmbeddingCache, InvalidKey
 from shmcache.kernel.cowmap import CowMapper
 from shmcache.node.audit import audit
 from shmcache.node.crashpoints import CrashPoint
@@ -195,3 +195,15 @@ def test_a_views_mapping_reports_its_death_once_after_the_last_derived_array(tmp
     with pytest.raises(TypeError):
         mapper.on_death(np.zeros(4, dtype=np.uint8), calls.append, "not a view")
     mapper.close()
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_batch_calls_refuse_what_is_not_a_list_of_keys(config: CacheConfig, enabled: bool) -> None:
+    with EmbeddingCache(config if enabled else CacheConfig(namespace=config.namespace)) as cache:
+        for call in (cache.get_many, cache.contains_many, cache.try_reserve_many):
+            for bad in (5, None, key_of("a")):  # a single key is the likely mistake
+                with pytest.raises(ArgumentTypeError, match="list or tuple"):
+                    call(bad)  # type: ignore[operator]
+        assert cache.get_many((key_of("a"),)) == [None]  # a tuple is fine
+        if enabled:
+            assert node_of(cache).pins.held() == {}

@@ -48,7 +48,8 @@ class CowMapper:
         """A writable uint8 array of `size` bytes at `offset`, over a private mapping of its pages;
         the mapping is removed when the array (and everything derived from it) is gone.
         `CapacityError` if the process cannot map more (vm.max_map_count, address space)."""
-        return np.frombuffer(cast(bytes, _mapping.map_private(self.fd, offset, size)), dtype=np.uint8)
+        mapping = _mapping.map_private(self.fd, offset, size)
+        return np.frombuffer(cast(bytes, mapping), dtype=np.uint8)  # any buffer works; numpy's stub lists few
 
     @staticmethod
     def on_death(view: np.ndarray[Any, np.dtype[np.uint8]], callback: Callable[[T], object], arg: T) -> None:

@@ -1,9 +1,10 @@
 /* shmcache.node._native: the hot transactions of the node layer, one native call each.
  *
  * Python keeps the slow paths (claim, takeover, allocation, eviction, repair, reaping); every
- * step both sides use has its one implementation here: entering and leaving a section, reading
- * and writing a slot record with its crc, this process's pin records, its counters. The Python
- * modules (sections.py, slots.py, pins.py, counters.py) call these; index.py composes them.
+ * step both sides use has its one implementation here: entering and leaving a section, the key
+ * scan, reading and writing a slot record with its crc, this process's pin records, its counters,
+ * the access stamp and expiry. The Python modules (sections.py, slots.py, pins.py, counters.py)
+ * call these; lookups.py and index.py compose them.
  *
  * Byte layout: layout.py is the reference; this file repeats the few field offsets it needs as
  * constants and exports them (layout.py asserts that both agree at import).
@@ -423,14 +424,23 @@ static Py_ssize_t stripe_of(Index *ix, const char *needle) {
     return (Py_ssize_t)(bits % (uint64_t)ix->stripes);
 }
 
+/* The first slot of `stripe` from `from` on whose key record is `needle`; -1 if none. The one key
+ * scan: lookups here, claims in Python (`SlotTable.find`). */
+static Py_ssize_t next_match(Index *ix, Py_ssize_t stripe, const char *needle, Py_ssize_t from) {
+    for (Py_ssize_t slot = from; slot < (stripe + 1) * ix->ways; slot++) {
+        if (memcmp(key_at(ix, slot), needle, KEY_SIZE) == 0) {
+            return slot;
+        }
+    }
+    return -1;
+}
+
 /* Find and pin a sealed, unexpired entry of `needle` in `stripe` (whose section the caller
  * holds). An expired one is retired on the way. R_DAMAGED: `out->slot` failed its crc (nothing
  * changed after it; the caller quarantines and calls again). */
 static int hit_in(Index *ix, Py_ssize_t stripe, const char *needle, double now, uint32_t pins, hit_t *out) {
-    for (Py_ssize_t slot = stripe * ix->ways; slot < (stripe + 1) * ix->ways; slot++) {
-        if (memcmp(key_at(ix, slot), needle, KEY_SIZE) != 0) {
-            continue;
-        }
+    for (Py_ssize_t slot = next_match(ix, stripe, needle, stripe * ix->ways); slot >= 0;
+         slot = next_match(ix, stripe, needle, slot + 1)) {
         record_t rec;
         if (!read_record(ix, slot, &rec)) {
             out->slot = slot;
@@ -757,6 +767,31 @@ static PyObject *contains_one(Index *ix, const char *needle, double now) {
         }
     }
     Py_RETURN_FALSE;
+}
+
+/* find(stripe, needle): the slots of `stripe` holding `needle`'s key record (the caller holds the
+ * stripe's section). */
+static PyObject *Index_find(Index *ix, PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t stripe;
+    const char *needle;
+    if (usage_error(nargs, 2, "find(stripe, needle)") < 0 || check_ready(ix) < 0 || as_ssize(args[0], &stripe) < 0 ||
+        check_needle(args[1], &needle) < 0) {
+        return NULL;
+    }
+    if (stripe < 0 || stripe >= ix->stripes) {
+        PyErr_Format(PyExc_IndexError, "stripe %zd out of range", stripe);
+        return NULL;
+    }
+    PyObject *out = PyList_New(0);
+    for (Py_ssize_t slot = next_match(ix, stripe, needle, stripe * ix->ways); out != NULL && slot >= 0;
+         slot = next_match(ix, stripe, needle, slot + 1)) {
+        PyObject *item = PyLong_FromSsize_t(slot);
+        if (item == NULL || PyList_Append(out, item) < 0) {
+            Py_CLEAR(out);
+        }
+        Py_XDECREF(item);
+    }
+    return out;
 }
 
 static PyObject *Index_contains(Index *ix, PyObject *needle) {
@@ -1144,6 +1179,8 @@ static PyMethodDef Index_methods[] = {
     {"hit_in", (PyCFunction)(void (*)(void))Index_hit_in, METH_FASTCALL,
      "hit_in(stripe, needle, now, pins): the lookup step inside a stripe section the caller holds; "
      "an int is the slot of a damaged record (quarantine it and call again)."},
+    {"find", (PyCFunction)(void (*)(void))Index_find, METH_FASTCALL,
+     "find(stripe, needle): the slots of the stripe whose key record is the needle."},
     {"contains", (PyCFunction)Index_contains, METH_O,
      "contains(needle): lock-free existence check: True, False or SLOW."},
     {"contains_many", (PyCFunction)Index_contains_many, METH_O, "contains_many(needles): `contains` of each."},

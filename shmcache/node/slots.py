@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import enum
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Final, NamedTuple
 
 import numpy as np
@@ -197,16 +197,9 @@ class SlotTable:
         moff = self._slots_off + SLOT_SIZE * slot + S_META
         self.idx[moff : moff + META.size] = META.pack(modality, kind)
 
-    def find(self, stripe: int, needle: bytes) -> Iterator[int]:
-        """Slots of `stripe` whose key record is `needle`."""
-        ways = self.layout.ways
-        base = self._keys_off + KEY_SIZE * stripe * ways
-        blob = bytes(self.idx[base : base + KEY_SIZE * ways])
-        pos = blob.find(needle)
-        while pos >= 0:
-            if pos % KEY_SIZE == 0:
-                yield stripe * ways + pos // KEY_SIZE
-            pos = blob.find(needle, pos + 1)
+    def find(self, stripe: int, needle: bytes) -> list[int]:
+        """Slots of `stripe` whose key record is `needle` (the native key scan)."""
+        return self.native.find(stripe, needle)
 
     # ------------------------------------------------------------------ access times
     def last_access(self, slot: int) -> float:

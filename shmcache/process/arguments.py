@@ -9,7 +9,7 @@ from shmcache.keys.key import EmbeddingCacheKey
 from shmcache.node.layout import needle_of
 from shmcache.process.reservation import ReservationTicket
 
-__all__ = ["check_callable", "check_request", "check_ticket", "needle"]
+__all__ = ["check_callable", "check_keys", "check_request", "check_ticket", "needle"]
 
 
 def check_request(request_id: Any) -> None:
@@ -30,6 +30,12 @@ def check_ticket(ticket: Any) -> None:
     """`ArgumentTypeError` unless `ticket` is a `ReservationTicket`."""
     if not isinstance(ticket, ReservationTicket):
         raise ArgumentTypeError(f"ticket must be a ReservationTicket, got {type(ticket).__name__}")
+
+
+def check_keys(keys: Any) -> None:
+    """`ArgumentTypeError` unless `keys` is a list or tuple (of keys: each is checked by `needle`)."""
+    if not isinstance(keys, list | tuple):
+        raise ArgumentTypeError(f"keys must be a list or tuple of keys, got {type(keys).__name__}")
 
 
 def needle(key: Any, algorithm: str) -> bytes:

@@ -58,10 +58,8 @@ def open_caches() -> list[EmbeddingCache]:
 
 
 class EmbeddingCache:
-    """A node-wide cache of encoder outputs shared by every process that opens the same namespace.
-
-    With `enable_embedding_cache=False` it is a pass-through that never touches shared memory.
-    """
+    """A node-wide cache of encoder outputs shared by every process that opens the same namespace;
+    with `enable_embedding_cache=False`, a pass-through that never touches shared memory."""
 
     def __init__(self, config: CacheConfig | None = None) -> None:
         self.config = config = config or CacheConfig()
@@ -123,8 +121,9 @@ class EmbeddingCache:
     def get_many(
         self, keys: Sequence[EmbeddingCacheKey], request_id: RequestId | None = None
     ) -> list[Value | None]:
-        """`get` of every key of a request's items, in key order (None for a miss), the node lookups
-        in one native call; every key is checked first, each hit is pinned as `get` pins it."""
+        """`get` of a request's items in key order (None: a miss), the node lookups in one native
+        call; every key is checked first (a list or tuple), each hit pinned as `get` pins it."""
+        arguments.check_keys(keys)
         if not self._enabled:
             return [None] * len(keys)
         arguments.check_request(request_id)
@@ -198,8 +197,7 @@ class EmbeddingCache:
         return res
 
     def try_reserve(self, key: EmbeddingCacheKey, request_id: RequestId | None = None) -> Reservation | None:
-        """`reserve` without waiting: None while another thread or process computes `key`. No
-        remote pull happens here (a scheduler calls this; the pull is the computer's business)."""
+        """`reserve` without waiting: None while another computes `key`; no remote pull (schedulers)."""
         if not self._enabled:
             return Reservation(None, key, request_id)
         arguments.check_request(request_id)
@@ -209,8 +207,8 @@ class EmbeddingCache:
     def try_reserve_many(
         self, keys: Sequence[EmbeddingCacheKey], request_id: RequestId | None = None
     ) -> list[Reservation | None]:
-        """`try_reserve` of a request's items, for the process that computes them: the node
-        misses it reserves are pulled from the remote store in one batch call."""
+        """`try_reserve` of a request's items, for their computer: node misses pulled in one batch."""
+        arguments.check_keys(keys)
         if not self._enabled:
             return [Reservation(None, key, request_id) for key in keys]
         arguments.check_request(request_id)
@@ -238,13 +236,14 @@ class EmbeddingCache:
 
     def contains_many(self, keys: Sequence[EmbeddingCacheKey]) -> list[bool]:
         """`contains` of every key, in key order, in one native call (every key checked first)."""
+        arguments.check_keys(keys)
         if not self._enabled:
             return [False] * len(keys)
         return self._index().lookups.contains_many([self._needle(key) for key in keys])
 
     def hold(self, key: EmbeddingCacheKey, request_id: RequestId) -> bool:
-        """Reference `key`'s entry for `request_id` (until `cleanup_request`) without a view or a
-        hit counted: a scheduler keeps an entry alive for a load it plans. False if not sealed."""
+        """Reference `key`'s entry for `request_id` (until `cleanup_request`), no view, no hit
+        counted: a scheduler keeps alive an entry it plans to load. False if not sealed."""
         if not self._enabled:
             return False
         arguments.check_request(request_id)
