@@ -158,19 +158,23 @@ def test_without_the_cache_outputs_are_identical_and_no_shared_memory_is_touched
             seen.append(namespace_objects(namespace))
             time.sleep(0.05)
 
+    on = connector(namespace)  # the connector loaded, and switched off in its extra config
+    extra = {**on["ec_connector_extra_config"], "enable_embedding_cache": False}
+    off = {**on, "ec_connector_extra_config": extra}
     watcher = threading.Thread(target=watch)
     watcher.start()
+    # the two engines run side by side (each start is mostly one busy core)
+    engines = [
+        EngineProcess(EngineRun(model, str(tmp_path / f"{name}.json"), requests, ec))
+        for name, ec in (("off", off), ("plain", None))
+    ]
     try:
-        on = connector(namespace)  # the connector loaded, and switched off in its extra config
-        off = {
-            **on,
-            "ec_connector_extra_config": {**on["ec_connector_extra_config"], "enable_embedding_cache": False},
-        }
-        disabled = spawn_engine(EngineRun(model, str(tmp_path / "off.json"), requests, off))
+        disabled, plain = (engine.wait() for engine in engines)
     finally:
+        for engine in engines:
+            engine.kill()
         stop.set()
         watcher.join()
-    plain = spawn_engine(EngineRun(model, str(tmp_path / "plain.json"), requests, None))
     assert _tokens(disabled) == _tokens(plain)
     assert disabled.encoder_runs == plain.encoder_runs == 1  # vLLM's own cache serves the repeat
     assert len(seen) > 10 and not any(seen)
