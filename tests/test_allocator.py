@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from shmcache import CacheConfig, EmbeddingCache
-from shmcache.node.allocator import first_fit
+from shmcache.node._native import first_fit
 from shmcache.node.layout import needle_of
 from tests import workers
 from tests.helpers import kill, spawn, wait_for
@@ -16,9 +16,7 @@ from tests.workers import expected_value, key_of
 
 
 def fit(extents: list[tuple[int, int]], need: int, capacity: int = 1000) -> int | None:
-    starts = np.array([s for s, _ in extents], dtype=np.int64)
-    ends = np.array([e for _, e in extents], dtype=np.int64)
-    return first_fit(starts, ends, need, capacity)
+    return first_fit(extents, need, capacity)
 
 
 def test_first_fit_basics() -> None:
@@ -81,3 +79,43 @@ def test_the_allocator_never_sees_an_entry_whose_record_is_rewritten_as_free(
             stop.touch()
             churner.join(30)
             kill(churner)
+
+
+def _pressed(namespace: str, ttl_s: float | None) -> CacheConfig:
+    """Room for three 1.2 MiB entries in the arena, and slots to spare: a fourth evicts one."""
+    return CacheConfig(
+        enable_embedding_cache=True,
+        namespace=namespace,
+        capacity_bytes=4 << 20,
+        max_entries=64,
+        ways=8,
+        return_mode="clone",
+        ttl_s=ttl_s,
+    )
+
+
+_ENTRY = np.ones(1200 * 1024, dtype=np.uint8)
+
+
+def test_arena_pressure_evicts_the_least_recently_used_entry(namespace: str) -> None:
+    with EmbeddingCache(_pressed(namespace, None)) as cache:
+        for name in "abc":
+            cache.put(key_of(name), _ENTRY)
+            time.sleep(0.01)
+        assert cache.get(key_of("a")) is not None  # b is now the one unused the longest
+        cache.put(key_of("d"), _ENTRY)
+        assert cache.get(key_of("b")) is None
+        assert all(cache.get(key_of(name)) is not None for name in "acd")
+        stats = cache.stats()
+        assert (stats["entries"], stats["evictions_lru"], stats["evictions_ttl"]) == (3, 1, 0)
+
+
+def test_arena_pressure_evicts_an_expired_entry_as_a_ttl_eviction(namespace: str) -> None:
+    with EmbeddingCache(_pressed(namespace, 0.5)) as cache:
+        cache.put(key_of("old"), _ENTRY)
+        time.sleep(0.6)  # expired: the first candidate, whatever the others' ages
+        for name in "bcd":
+            cache.put(key_of(name), _ENTRY)
+        assert all(cache.get(key_of(name)) is not None for name in "bcd")
+        stats = cache.stats()
+        assert (stats["entries"], stats["evictions_lru"], stats["evictions_ttl"]) == (3, 0, 1)

@@ -3,7 +3,9 @@
  * Python keeps the slow paths (claim, takeover, allocation, eviction, repair, reaping); every
  * step both sides use has its one implementation here: entering and leaving a section, the key
  * scan, reading and writing a slot record with its crc, this process's pin records, its counters,
- * the access stamp and expiry. The Python modules (sections.py, slots.py, pins.py, counters.py)
+ * the access stamp and expiry. The allocator's two looks at the slot table (the first-fit gap,
+ * the eviction order) are here too: one pass in C instead of a dozen numpy passes (allocator.py
+ * decides what to do with them). The Python modules (sections.py, slots.py, pins.py, counters.py)
  * call these; lookups.py and index.py compose them.
  *
  * Byte layout: layout.py is the reference; this file repeats the few field offsets it needs as
@@ -42,6 +44,13 @@
  *    readers sum every record (counters.py).
  * 6. Blocking.  A contended semaphore is waited for with the GIL released (semtimedop with the
  *    lock timeout); everything else runs with the GIL held and never blocks.
+ * 7. The allocator's look.  `gap` runs under the node section (so no other allocator takes space
+ *    meanwhile) and reads every record without stripe locks, each by one copy of its fields:
+ *    others may free extents while it looks, never take space.  A record read while it is being
+ *    freed can mix old and new fields (an old state with the new zero offset): such phantom
+ *    extents only make it more careful, because a gap starts at the running maximum of the ends
+ *    seen so far (`first_fit`), so no live extent is ever handed out.  `evictable` reads the same
+ *    way; the evictor re-reads each candidate under its stripe lock before it frees anything.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -955,6 +964,170 @@ static PyObject *Index_expired(Index *ix, PyObject *const *args, Py_ssize_t narg
     return PyBool_FromLong(expired(ix, slot, now));
 }
 
+/* ------------------------------------------------------------- the allocator's look (rule 7) */
+typedef struct {
+    uint64_t start, end;
+} extent_t;
+
+static int by_start(const void *a, const void *b) {
+    const extent_t *x = a, *y = b;
+    return x->start < y->start ? -1 : x->start > y->start;
+}
+
+/* The lowest offset of `need` free bytes in [0, capacity) outside every extent, -1 if none. The
+ * extents may overlap or be empty: each gap starts at the running maximum of the ends before it,
+ * so no listed extent is ever handed out again. Sorts `ext`. */
+static int64_t first_fit(extent_t *ext, Py_ssize_t n, uint64_t need, uint64_t capacity) {
+    qsort(ext, (size_t)n, sizeof *ext, by_start);
+    uint64_t from = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (ext[i].start >= from && ext[i].start - from >= need) {
+            return (int64_t)from;
+        }
+        if (ext[i].end > from) {
+            from = ext[i].end;
+        }
+    }
+    return from <= capacity && capacity - from >= need ? (int64_t)from : -1;
+}
+
+static PyObject *fit_answer(int64_t offset) {
+    return offset < 0 ? Py_NewRef(Py_None) : PyLong_FromLongLong(offset);
+}
+
+/* first_fit(extents, need, capacity): the allocation rule over (start, end) pairs (for its tests). */
+static PyObject *native_first_fit(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
+    uint64_t need, capacity;
+    if (usage_error(nargs, 3, "first_fit(extents, need, capacity)") < 0 || as_u64(args[1], &need) < 0 ||
+        as_u64(args[2], &capacity) < 0) {
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(args[0], "extents must be a sequence of (start, end)");
+    if (seq == NULL) {
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    extent_t *ext = PyMem_Calloc((size_t)n + 1, sizeof *ext);
+    if (ext == NULL) {
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *pair = PySequence_Fast_GET_ITEM(seq, i);
+        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2 || as_u64(PyTuple_GET_ITEM(pair, 0), &ext[i].start) < 0 ||
+            as_u64(PyTuple_GET_ITEM(pair, 1), &ext[i].end) < 0) {
+            if (!PyErr_Occurred()) {
+                PyErr_SetString(PyExc_TypeError, "extents must be (start, end) tuples of ints");
+            }
+            PyMem_Free(ext);
+            Py_DECREF(seq);
+            return NULL;
+        }
+    }
+    int64_t offset = first_fit(ext, n, need, capacity);
+    PyMem_Free(ext);
+    Py_DECREF(seq);
+    return fit_answer(offset);
+}
+
+/* One lock-free copy of a record's fields (rule 7): no crc check, a torn copy is allowed. */
+static void look_at(Index *ix, Py_ssize_t slot, record_t *out) { memcpy(out, slot_at(ix, slot), RECORD_SIZE); }
+
+static PyObject *Index_gap(Index *ix, PyObject *const *args, Py_ssize_t nargs) {
+    uint64_t need, capacity;
+    if (usage_error(nargs, 2, "gap(need, capacity)") < 0 || check_ready(ix) < 0 || as_u64(args[0], &need) < 0 ||
+        as_u64(args[1], &capacity) < 0) {
+        return NULL;
+    }
+    extent_t *ext = PyMem_Calloc((size_t)ix->slots, sizeof *ext);
+    if (ext == NULL) {
+        return PyErr_NoMemory();
+    }
+    Py_ssize_t n = 0;
+    for (Py_ssize_t slot = 0; slot < ix->slots; slot++) {
+        record_t r;
+        look_at(ix, slot, &r);
+        /* an extent outside the arena is a damaged record (its stripe's repair quarantines it):
+         * its bytes name no memory */
+        if (r.state != EMPTY && r.size > 0 && r.size <= capacity && r.offset <= capacity - r.size) {
+            ext[n].start = r.offset;
+            ext[n].end = r.offset + r.size;
+            n++;
+        }
+    }
+    int64_t offset = first_fit(ext, n, need, capacity);
+    PyMem_Free(ext);
+    return fit_answer(offset);
+}
+
+typedef struct {
+    double rank; /* -1: expired, else the last access */
+    Py_ssize_t slot;
+} candidate_t;
+
+static int by_rank(const void *a, const void *b) {
+    const candidate_t *x = a, *y = b;
+    if (x->rank != y->rank) {
+        return x->rank < y->rank ? -1 : 1;
+    }
+    return x->slot < y->slot ? -1 : x->slot > y->slot;
+}
+
+static PyObject *Index_evictable(Index *ix, PyObject *arg) {
+    double now;
+    if (as_double(arg, &now) < 0 || check_ready(ix) < 0) {
+        return NULL;
+    }
+    candidate_t *sealed = PyMem_Calloc((size_t)ix->slots, sizeof *sealed);
+    PyObject *reserved = PyList_New(0);
+    if (sealed == NULL || reserved == NULL) {
+        PyMem_Free(sealed);
+        Py_XDECREF(reserved);
+        return PyErr_NoMemory();
+    }
+    Py_ssize_t n = 0;
+    for (Py_ssize_t slot = 0; slot < ix->slots; slot++) {
+        record_t r;
+        look_at(ix, slot, &r);
+        if (r.size == 0) {
+            continue;
+        }
+        if (r.state == SEALED && r.refs == 0) {
+            sealed[n].rank = expired(ix, slot, now) ? -1.0 : last_access(ix, slot);
+            sealed[n].slot = slot;
+            n++;
+        } else if (r.state == RESERVED) {
+            PyObject *item = PyLong_FromSsize_t(slot);
+            if (item == NULL || PyList_Append(reserved, item) < 0) {
+                Py_XDECREF(item);
+                PyMem_Free(sealed);
+                Py_DECREF(reserved);
+                return NULL;
+            }
+            Py_DECREF(item);
+        }
+    }
+    qsort(sealed, (size_t)n, sizeof *sealed, by_rank);
+    PyObject *order = PyList_New(n);
+    for (Py_ssize_t i = 0; order != NULL && i < n; i++) {
+        PyObject *item = PyLong_FromSsize_t(sealed[i].slot);
+        if (item == NULL) {
+            Py_CLEAR(order);
+            break;
+        }
+        PyList_SET_ITEM(order, i, item);
+    }
+    PyMem_Free(sealed);
+    if (order == NULL) {
+        Py_DECREF(reserved);
+        return NULL;
+    }
+    PyObject *out = PyTuple_Pack(2, reserved, order);
+    Py_DECREF(reserved);
+    Py_DECREF(order);
+    return out;
+}
+
 /* ----------------------------------------------------------------- primitives for Python */
 static PyObject *Index_enter(Index *ix, PyObject *const *args, Py_ssize_t nargs) {
     int sem;
@@ -1209,6 +1382,11 @@ static PyMethodDef Index_methods[] = {
     {"pins_held", (PyCFunction)Index_pins_held, METH_NOARGS, "pins_held(): {(slot, gen): count}."},
     {"pins_spare", (PyCFunction)Index_pins_spare, METH_NOARGS, "pins_spare(): free pin records."},
     {"count", (PyCFunction)(void (*)(void))Index_count, METH_FASTCALL, "count(counter, n): add to our counter."},
+    {"gap", (PyCFunction)(void (*)(void))Index_gap, METH_FASTCALL,
+     "gap(need, capacity): the lowest offset of `need` free bytes (node section held; rule 7), None if none."},
+    {"evictable", (PyCFunction)Index_evictable, METH_O,
+     "evictable(now): (RESERVED slots with an extent, unreferenced SEALED slots: expired first, then "
+     "least recently used), read lock-free (rule 7)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1243,6 +1421,8 @@ static PyObject *native_arm(PyObject *Py_UNUSED(module), PyObject *arg) {
 static PyMethodDef native_methods[] = {
     {"arm", (PyCFunction)native_arm, METH_O,
      "arm(point value or None): SIGKILL this process at that crash point if the native code reaches it."},
+    {"first_fit", (PyCFunction)(void (*)(void))native_first_fit, METH_FASTCALL,
+     "first_fit(extents, need, capacity): the allocation rule over (start, end) pairs; None if no gap."},
     {NULL, NULL, 0, NULL},
 };
 
