@@ -73,41 +73,63 @@ _ONE_SHOT: Final[dict[str, Callable[[Any], bytes]]] = {
     "sha256": _sha256,
 }
 
-_prefixes: dict[
-    tuple[str, str, str, int, bytes | None], tuple[EncoderPreprocessingConfig, Callable[[Any], bytes], bytes]
-] = {}
+
+class _Header:
+    """The memoised key header of one (algorithm, namespace, modality, config, salt): the framed
+    digest of the header and the canonical parts; makes the keys built with it."""
+
+    __slots__ = ("algorithm", "config", "framed", "hash_fn", "modality")
+
+    def __init__(
+        self,
+        config: EncoderPreprocessingConfig,
+        hash_fn: Callable[[Any], bytes],
+        framed: bytes,
+        parts: tuple[str, str],
+    ) -> None:
+        self.config, self.hash_fn, self.framed = config, hash_fn, framed  # holds config: its id stays unique
+        self.algorithm, self.modality = parts
+
+    def key(
+        self, cls: type[EmbeddingCacheKey], content: Any, nbytes: int, extra: bytes, kind: str
+    ) -> EmbeddingCacheKey:
+        """The key of `content`: H(frame(H(header)) || extra || frame(len(content), H(content))), so
+        the content, the only large part, is hashed once at the hash function's full speed."""
+        hash_fn = self.hash_fn
+        tail = _LEN_AND_DIGEST.pack(_CONTENT_TAG, nbytes)
+        digest = hash_fn(b"".join((self.framed, extra, tail, hash_fn(content))))
+        key = _new_key(cls)
+        _set_parts(key, (self.algorithm, digest, self.modality, kind))
+        return key
 
 
-def _prefix(
-    algorithm: str,
-    kind: str,
-    modality: str,
-    config: EncoderPreprocessingConfig,
-    tenant_salt: str | bytes | None,
-) -> tuple[EncoderPreprocessingConfig, Callable[[Any], bytes], bytes]:
-    """(config, hash function, framed digest of the key header) for these settings; memoised.
+_headers: dict[tuple[object, str, object, int, object], _Header] = {}
+
+
+def _header(
+    algorithm: str, kind: str, modality: str, config: EncoderPreprocessingConfig, tenant_salt: object
+) -> _Header:
+    """The header for these settings, memoised by the arguments as given (a miss validates them).
 
     The header frames the key schema version, the algorithm, the namespace, the modality, every
     config field and the salt; its full-width digest stands for it in every key made with it.
     """
-    salt = _salt_bytes(tenant_salt)
-    memo_key = (algorithm, kind, modality, id(config), salt)
     try:
-        found = _prefixes.get(memo_key)
-    except TypeError:  # an unhashable algorithm or modality: refused below
+        found = _headers.get((algorithm, kind, modality, id(config), tenant_salt))
+    except TypeError:  # an unhashable argument: refused or converted below
         found = None
-    if found is not None and found[0] is config:
+    if found is not None and found.config is config:
         return found
     if not isinstance(config, EncoderPreprocessingConfig):
         raise UnsupportedValue(f"config must be an EncoderPreprocessingConfig, got {type(config).__name__}")
-    algorithm = _known("hash algorithm", algorithm, HASH_ALGORITHMS)
-    modality = _known("modality", modality, MODALITIES)
-    hash_fn = _ONE_SHOT[algorithm]
-    header = frame(("shmcache-key", KEY_SCHEMA_VERSION, algorithm, kind, modality))
-    header += config.framed() + frame(salt)
-    if len(_prefixes) > 4096:
-        _prefixes.clear()
-    found = _prefixes[memo_key] = (config, hash_fn, frame(hash_fn(header)))  # holds config: id stays unique
+    parts = (_known("hash algorithm", algorithm, HASH_ALGORITHMS), _known("modality", modality, MODALITIES))
+    hash_fn = _ONE_SHOT[parts[0]]
+    header = frame(("shmcache-key", KEY_SCHEMA_VERSION, parts[0], kind, parts[1]))
+    header += config.framed() + frame(_salt_bytes(tenant_salt))
+    found = _Header(config, hash_fn, frame(hash_fn(header)), parts)
+    if len(_headers) > 4096:
+        _headers.clear()
+    _headers[(algorithm, kind, modality, id(config), tenant_salt)] = found  # all hashable by now
     return found
 
 
@@ -130,15 +152,6 @@ def _salt_bytes(tenant_salt: object) -> bytes | None:
     if isinstance(tenant_salt, bytes):
         return bytes(tenant_salt)
     raise UnsupportedValue(f"tenant_salt must be str, bytes or None, got {type(tenant_salt).__name__}")
-
-
-def _digest(
-    prefix: tuple[Any, Callable[[Any], bytes], bytes], content: Any, nbytes: int, extra: bytes = b""
-) -> bytes:
-    """H(frame(H(header)) || extra || frame(len(content), H(content))): the content, the only large
-    part, is hashed once at the hash function's full speed."""
-    hash_fn = prefix[1]
-    return hash_fn(prefix[2] + extra + _LEN_AND_DIGEST.pack(_CONTENT_TAG, nbytes) + hash_fn(content))
 
 
 _CONTENT_TAG = 0xC0
@@ -169,13 +182,6 @@ class EmbeddingCacheKey:
         _set_parts(self, (algorithm, bytes(digest), modality, kind))
 
     @classmethod
-    def _make(cls, algorithm: str, digest: bytes, modality: str, kind: str) -> EmbeddingCacheKey:
-        """Construct without re-validating (the constructors above produced the parts)."""
-        key = _new_key(cls)
-        _set_parts(key, (algorithm, digest, modality, kind))
-        return key
-
-    @classmethod
     def from_raw_bytes(
         cls,
         data: bytes | bytearray | memoryview,
@@ -186,7 +192,7 @@ class EmbeddingCacheKey:
         tenant_salt: str | bytes | None = None,
     ) -> EmbeddingCacheKey:
         """Key of an input's raw bytes (the encoded image / audio file as received)."""
-        if isinstance(data, bytes | bytearray):
+        if type(data) is bytes or isinstance(data, bytes | bytearray):
             nbytes = len(data)
         elif isinstance(data, memoryview):
             if not data.c_contiguous:
@@ -196,8 +202,7 @@ class EmbeddingCacheKey:
             raise UnsupportedValue(
                 f"from_raw_bytes takes bytes, bytearray or memoryview, got {type(data).__name__}"
             )
-        prefix = _prefix(algorithm, "raw", modality, config, tenant_salt)
-        return cls._make(algorithm, _digest(prefix, data, nbytes), modality, "raw")
+        return _header(algorithm, "raw", modality, config, tenant_salt).key(cls, data, nbytes, b"", "raw")
 
     @classmethod
     def from_decoded_tensor(
@@ -217,9 +222,8 @@ class EmbeddingCacheKey:
         from shmcache.keys.dtypes import tensor_bytes
 
         dtype_name, shape, content = tensor_bytes(tensor)
-        prefix = _prefix(algorithm, "tensor", modality, config, tenant_salt)
-        digest = _digest(prefix, content, content.nbytes, frame((dtype_name, shape)))
-        return cls._make(algorithm, digest, modality, "tensor")
+        header = _header(algorithm, "tensor", modality, config, tenant_salt)
+        return header.key(cls, content, content.nbytes, frame((dtype_name, shape)), "tensor")
 
     @classmethod
     def from_token_prefix(
@@ -253,9 +257,9 @@ class EmbeddingCacheKey:
         if tokens.size and (tokens.dtype.kind == "u" and tokens.max() > np.iinfo(np.int64).max):
             raise UnsupportedValue("token ids must fit in int64")
         content = np.ascontiguousarray(tokens, dtype="<i8")
-        prefix = _prefix(algorithm, "token_prefix", modality, config, tenant_salt)
-        digest = _digest(prefix, content.view(np.uint8).data, content.nbytes, frame(parent_bytes))
-        return cls._make(algorithm, digest, modality, "token_prefix")
+        header = _header(algorithm, "token_prefix", modality, config, tenant_salt)
+        framed_parent = frame(parent_bytes)
+        return header.key(cls, content.view(np.uint8).data, content.nbytes, framed_parent, "token_prefix")
 
     @classmethod
     def from_external_id(
@@ -284,10 +288,8 @@ class EmbeddingCacheKey:
             framed_source = frame(source)
         except UnicodeEncodeError:
             raise InvalidKey("identifier and source must be valid text (no lone surrogates)") from None
-        prefix = _prefix(algorithm, "external", modality, config, tenant_salt)
-        return cls._make(
-            algorithm, _digest(prefix, content, len(content), framed_source), modality, "external"
-        )
+        header = _header(algorithm, "external", modality, config, tenant_salt)
+        return header.key(cls, content, len(content), framed_source, "external")
 
     @property
     def digest(self) -> bytes:
