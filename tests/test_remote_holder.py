@@ -8,6 +8,7 @@ import dataclasses
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,8 @@ import pytest
 
 from shmcache import CacheConfig, EmbeddingCache, destroy_namespace
 from shmcache.errors import InvalidConfig
+from shmcache.remote.staging import LateCall
+from shmcache.remote.store import RemoteStore
 from shmcache.testing import MooncakeHolder, MooncakeMaster
 from tests.helpers import kill, spawn, wait_for
 from tests.test_remote import remote_config
@@ -22,6 +25,7 @@ from tests.workers import expected_value, fingerprint, key_of
 
 CLIENT_TTL_S = 2  # this master drops a dead client's segment about this long after its death
 AFTER_S = 6 * CLIENT_TTL_S  # how long after the publishers' death another node pulls
+TRANSFER_FAILED = -1  # a late call that raised
 
 
 def _short_ttl_master() -> MooncakeMaster:
@@ -110,3 +114,39 @@ def test_a_thin_client_pulls_and_publishes_through_the_holder(
 def test_a_bad_client_ttl_is_refused_before_anything_starts(ttl: object) -> None:
     with pytest.raises(InvalidConfig, match="client_ttl_s"):
         MooncakeMaster(client_ttl_s=ttl)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "answer", [4096, 100, TRANSFER_FAILED, None], ids=["all-bytes", "short", "failed", "failed-outright"]
+)
+def test_a_pull_buffer_set_aside_comes_back_only_after_its_late_call_moved_every_byte(
+    shmcache_mooncake: MooncakeMaster, holder: MooncakeHolder, answer: int | None
+) -> None:
+    """A thin client's one pull buffer (half the holder's pool), set aside after a transfer that
+    timed out: handed out again once that call returned every byte, never otherwise."""
+    config = CacheConfig(
+        remote_master=shmcache_mooncake.address,
+        remote_holder=holder.address,
+        remote_buffer_bytes=2 << 20,
+        store_unavailable_mode="strict",
+    )
+    store = RemoteStore(config, lambda counter, n: None)
+    try:
+        staging = store.staging
+        assert staging is not None and staging.pooled
+        buffer = staging.pull_buffer(4096)
+        assert buffer is not None
+        late: Future[Any] = Future()
+        staging.poison(None if answer is None else LateCall(late, lambda rc: rc == 4096))
+        assert staging.pull_buffer(4096) is None  # the call is still running: it may write there
+        if answer == TRANSFER_FAILED:
+            late.set_exception(RuntimeError("transfer failed"))
+        else:
+            late.set_result(answer)
+        again = staging.pull_buffer(4096)
+        if answer == 4096:
+            assert again is not None and again.ctypes.data == buffer.ctypes.data
+        else:
+            assert again is None  # slices may still be in flight: the pool has no other pull half
+    finally:
+        store.close()

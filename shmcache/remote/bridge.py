@@ -36,6 +36,7 @@ from shmcache.node.slots import FailureKind, SealedEntry
 from shmcache.process.reservation import Reservation
 from shmcache.process.views import Views
 from shmcache.remote import lease
+from shmcache.remote.staging import LateCall
 from shmcache.remote.store import RemoteStore, Transfer, remote_key
 
 __all__ = ["BATCH_ITEM_BYTES", "LOOK_AGAIN", "LookAgain", "Pulled", "RemoteBridge"]
@@ -184,7 +185,7 @@ class RemoteBridge:
         """A set-aside extent's late call returned: free it if the whole transfer completed (a
         failed one may leave slices in flight: that memory waits for the detach)."""
         with self._closing:
-            if self._closed or call.cancelled() or call.exception() is not None or call.result() != size:
+            if self._closed or not LateCall(call, lambda rc: rc == size).ended():
                 return
             self._node.release([(slot, gen)])
 

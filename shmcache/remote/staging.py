@@ -9,19 +9,46 @@
   than a half do not cross nodes in this mode (counted as drops / misses).
 
 A failed or timed-out transfer may still write into its buffer after the call returned: that
-buffer is never used again (numpy arrays are kept alive and replaced; pool memory is left
-allocated, and a thin client then pulls no more until it restarts: counted as remote errors).
+buffer is set aside (kept alive, never handed out) until the call that outlived its wait returns
+having transferred the whole object; then nothing writes there any more and the next pull takes
+it back (a thin client has one pull half: until then it pulls nothing, counted as remote errors).
+A transfer that failed outright may leave slices in flight: its buffer stays set aside.
 """
 
 from __future__ import annotations
 
 import ctypes
 import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-__all__ = ["Staging"]
+__all__ = ["LateCall", "Staging"]
+
+
+@dataclass(frozen=True)
+class LateCall:
+    """A transfer call that outlived its wait, and which of its answers means "every byte arrived"."""
+
+    future: Future[Any]
+    clean: Callable[[Any], bool]
+
+    def ended(self) -> bool:
+        """It returned with every byte transferred: nothing writes into its memory any more (a
+        failed one may leave slices in flight)."""
+        done = self.future
+        return done.done() and not done.cancelled() and done.exception() is None and self.clean(done.result())
+
+
+@dataclass(frozen=True)
+class _SetAside:
+    """A pull buffer a failed transfer may still write into, and the call that may."""
+
+    buffer: np.ndarray
+    late: LateCall | None  # None: the transfer failed outright (slices may be in flight)
 
 
 class Staging:
@@ -32,7 +59,7 @@ class Staging:
         self._pull_room = True  # pooled: may the pull half still be allocated
         self._pull: np.ndarray | None = None
         self._publish: np.ndarray | None = None
-        self._poisoned: list[np.ndarray] = []
+        self._set_aside: list[_SetAside] = []
         self.publish_lock = threading.Lock()
 
     def _pool_array(self, nbytes: int) -> np.ndarray | None:
@@ -47,6 +74,8 @@ class Staging:
     def pull_buffer(self, size: int) -> np.ndarray | None:
         """A registered buffer of at least `size` bytes for `get_into`; None if none can hold it."""
         buffer = self._pull
+        if buffer is None:
+            buffer = self._pull = self._taken_back()
         if buffer is not None and buffer.nbytes >= size:
             return buffer
         if self.pooled:
@@ -61,11 +90,20 @@ class Staging:
         self._pull = buffer
         return buffer
 
-    def poison(self) -> None:
-        """The pull buffer saw a failed transfer: never hand it out again."""
+    def poison(self, late: LateCall | None) -> None:
+        """The pull buffer saw a failed transfer: set it aside until `late`, the call that outlived
+        its wait, has transferred everything (never, without one)."""
         if self._pull is not None:
-            self._poisoned.append(self._pull)
-            self._pull = None  # pooled: the pool has no second pull half; pulls end for this process
+            self._set_aside.append(_SetAside(self._pull, late))
+            self._pull = None  # pooled: the pool has no second pull half; no pulls until it ends
+
+    def _taken_back(self) -> np.ndarray | None:
+        """A set-aside buffer nothing writes into any more, handed out again; None if none."""
+        for i, held in enumerate(self._set_aside):
+            if held.late is not None and held.late.ended():
+                del self._set_aside[i]
+                return held.buffer
+        return None
 
     def publish_buffer(self, size: int) -> np.ndarray | None:
         """Pooled mode: the buffer a publish copies its entry into (hold `publish_lock`)."""

@@ -40,7 +40,7 @@ from shmcache.errors import InvalidConfig, RemoteUnavailable
 from shmcache.keys.key import KEY_SCHEMA_VERSION, EmbeddingCacheKey
 from shmcache.node.layout import Counter
 from shmcache.remote.health import Health
-from shmcache.remote.staging import Staging
+from shmcache.remote.staging import LateCall, Staging
 
 __all__ = ["RemoteStore", "Transfer", "free_port", "remote_key"]
 
@@ -64,6 +64,11 @@ class Transfer(enum.Enum):
     DONE = "done"  # the object's bytes are there
     UNTOUCHED = "untouched"  # a miss, or the master gone: nothing was transferred
     TAINTED = "tainted"  # failed or timed out: it may still be written, so it is never reused
+
+
+def _batch_clean(rcs: Any) -> bool:
+    """Whether a `batch_get_into` answer leaves no transfer writing into its buffer."""
+    return isinstance(rcs, list) and not any(rc != BUFFER_TOO_SMALL and _taints(rc) for rc in rcs)
 
 
 def _taints(rc: Any) -> bool:
@@ -218,9 +223,10 @@ class RemoteStore:
         if buffer is None:
             self._count(Counter.REMOTE_ERRORS, 1)
             return None
-        outcome = self.fetch_into(name, int(buffer.ctypes.data), size)
+        late: list[Future[Any]] = []
+        outcome = self.fetch_into(name, int(buffer.ctypes.data), size, late.append)
         if outcome is Transfer.TAINTED:
-            staging.poison()
+            staging.poison(LateCall(late[0], lambda rc: rc == size) if late else None)
         return buffer[:size] if outcome is Transfer.DONE else None
 
     def pulls_in_place(self, address: int, nbytes: int) -> bool:
@@ -277,13 +283,13 @@ class RemoteStore:
         if buffer is None:
             return found, list(range(len(names))) if self.available else []
         base = int(buffer.ctypes.data)
-        rcs = self._call(
-            "batch_get_into", names, [base + i * cap for i in range(len(names))], [cap] * len(names)
-        )
+        late: list[Future[Any]] = []
+        addresses = [base + i * cap for i in range(len(names))]
+        rcs = self._call("batch_get_into", names, addresses, [cap] * len(names), stuck=late.append)
         assert staging is not None
         if not isinstance(rcs, list):
-            if rcs is TIMED_OUT:
-                staging.poison()  # the transfers may still write there
+            if rcs is TIMED_OUT:  # the transfers may still write there
+                staging.poison(LateCall(late[0], _batch_clean) if late else None)
             return found, []
         larger = []
         for i, rc in enumerate(rcs):
@@ -293,8 +299,8 @@ class RemoteStore:
                 larger.append(i)
             elif _taints(rc):
                 self._count(Counter.REMOTE_ERRORS, 1)
-        if any(rc != BUFFER_TOO_SMALL and _taints(rc) for rc in rcs):
-            staging.poison()  # a failed transfer may still write into its part of the buffer
+        if not _batch_clean(rcs):
+            staging.poison(None)  # a failed transfer may still write into its part of the buffer
         return found, larger
 
     def publish(self, name: str, address: int, nbytes: int, done: Callable[[bool], None]) -> bool:
