@@ -393,3 +393,11 @@ def test_digests_are_pinned_across_versions() -> None:
         "dad876823269d01ea973eba9fa803c12",
         "32f55c7c2be33e436600c85cee0ff14e",
     ]
+
+
+def test_a_salt_is_checked_whether_or_not_a_header_is_memoised() -> None:
+    config = sample_preprocessing()
+    made = EmbeddingCacheKey.from_raw_bytes(b"x", config, modality="image", tenant_salt=b"s")
+    with pytest.raises(UnsupportedValue):  # equal to b"s", and still not a salt
+        EmbeddingCacheKey.from_raw_bytes(b"x", config, modality="image", tenant_salt=memoryview(b"s"))
+    assert EmbeddingCacheKey.from_raw_bytes(b"x", config, modality="image", tenant_salt="s") == made

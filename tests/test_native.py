@@ -207,3 +207,19 @@ def test_batch_calls_refuse_what_is_not_a_list_of_keys(config: CacheConfig, enab
         assert cache.get_many((key_of("a"),)) == [None]  # a tuple is fine
         if enabled:
             assert node_of(cache).pins.held() == {}
+
+
+def test_a_damaged_access_stamp_sorts_last_among_eviction_candidates(config: CacheConfig) -> None:
+    """The access stamp is outside the record's crc: a NaN there (a damaged segment) must neither
+    break the eviction order's sort nor put that entry first."""
+    with EmbeddingCache(config) as cache:
+        for name in ("old", "damaged", "new"):
+            cache.put(key_of(name), expected_value(name))
+            time.sleep(0.01)
+        node = node_of(cache)
+        slots = {name: node.lookups.lookup(needle_of(key_of(name)), 0) for name in ("old", "damaged", "new")}
+        assert all(hit is not None for hit in slots.values())
+        node.native.touch(slots["damaged"].slot, float("nan"))  # type: ignore[union-attr]
+        reserved, order = node.native.evictable(time.monotonic())
+        assert reserved == []
+        assert order == [slots[name].slot for name in ("old", "new", "damaged")]  # type: ignore[union-attr]

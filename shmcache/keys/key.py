@@ -103,7 +103,8 @@ class _Header:
         return key
 
 
-_headers: dict[tuple[object, str, object, int, object], _Header] = {}
+_MEMO_SALTS: Final = (type(None), str, bytes)
+_headers: dict[tuple[object, str, object, int, type, object], _Header] = {}
 
 
 def _header(
@@ -114,9 +115,10 @@ def _header(
     The header frames the key schema version, the algorithm, the namespace, the modality, every
     config field and the salt; its full-width digest stands for it in every key made with it.
     """
+    memo = (algorithm, kind, modality, id(config), type(tenant_salt), tenant_salt)  # "s" is not b"s"
     try:
-        found = _headers.get((algorithm, kind, modality, id(config), tenant_salt))
-    except TypeError:  # an unhashable argument: refused or converted below
+        found = _headers.get(memo)
+    except TypeError:  # an unhashable argument: refused below
         found = None
     if found is not None and found.config is config:
         return found
@@ -129,7 +131,8 @@ def _header(
     found = _Header(config, hash_fn, frame(hash_fn(header)), parts)
     if len(_headers) > 4096:
         _headers.clear()
-    _headers[(algorithm, kind, modality, id(config), tenant_salt)] = found  # all hashable by now
+    if type(tenant_salt) in _MEMO_SALTS:  # subclasses are converted every time
+        _headers[memo] = found
     return found
 
 

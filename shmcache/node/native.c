@@ -1093,7 +1093,8 @@ static PyObject *Index_evictable(Index *ix, PyObject *arg) {
             continue;
         }
         if (r.state == SEALED && r.refs == 0) {
-            sealed[n].rank = expired(ix, slot, now) ? -1.0 : last_access(ix, slot);
+            double rank = expired(ix, slot, now) ? -1.0 : last_access(ix, slot);
+            sealed[n].rank = isnan(rank) ? INFINITY : rank; /* a damaged stamp sorts last: qsort needs an order */
             sealed[n].slot = slot;
             n++;
         } else if (r.state == RESERVED) {

@@ -93,6 +93,8 @@ class Staging:
     def poison(self, late: LateCall | None) -> None:
         """The pull buffer saw a failed transfer: set it aside until `late`, the call that outlived
         its wait, has transferred everything (never, without one)."""
+        if not self.pooled:  # a new array replaces it: those nothing writes into any more can go
+            self._set_aside = [held for held in self._set_aside if held.late is None or not held.late.ended()]
         if self._pull is not None:
             self._set_aside.append(_SetAside(self._pull, late))
             self._pull = None  # pooled: the pool has no second pull half; no pulls until it ends

@@ -224,7 +224,11 @@ class RemoteStore:
             self._count(Counter.REMOTE_ERRORS, 1)
             return None
         late: list[Future[Any]] = []
-        outcome = self.fetch_into(name, int(buffer.ctypes.data), size, late.append)
+        try:
+            outcome = self.fetch_into(name, int(buffer.ctypes.data), size, late.append)
+        except BaseException:  # interrupted while the transfer may go on
+            staging.poison(None)
+            raise
         if outcome is Transfer.TAINTED:
             staging.poison(LateCall(late[0], lambda rc: rc == size) if late else None)
         return buffer[:size] if outcome is Transfer.DONE else None
@@ -285,8 +289,12 @@ class RemoteStore:
         base = int(buffer.ctypes.data)
         late: list[Future[Any]] = []
         addresses = [base + i * cap for i in range(len(names))]
-        rcs = self._call("batch_get_into", names, addresses, [cap] * len(names), stuck=late.append)
         assert staging is not None
+        try:
+            rcs = self._call("batch_get_into", names, addresses, [cap] * len(names), stuck=late.append)
+        except BaseException:  # interrupted while the transfers may go on
+            staging.poison(None)
+            raise
         if not isinstance(rcs, list):
             if rcs is TIMED_OUT:  # the transfers may still write there
                 staging.poison(LateCall(late[0], _batch_clean) if late else None)
