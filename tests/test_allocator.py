@@ -10,6 +10,7 @@ import numpy as np
 from shmcache import CacheConfig, EmbeddingCache
 from shmcache.node._native import first_fit
 from shmcache.node.layout import needle_of
+from shmcache.testing import sample_cache_config
 from tests import workers
 from tests.helpers import kill, spawn, wait_for
 from tests.workers import expected_value, key_of
@@ -83,14 +84,8 @@ def test_the_allocator_never_sees_an_entry_whose_record_is_rewritten_as_free(
 
 def _pressed(namespace: str, ttl_s: float | None) -> CacheConfig:
     """Room for three 1.2 MiB entries in the arena, and slots to spare: a fourth evicts one."""
-    return CacheConfig(
-        enable_embedding_cache=True,
-        namespace=namespace,
-        capacity_bytes=4 << 20,
-        max_entries=64,
-        ways=8,
-        return_mode="clone",
-        ttl_s=ttl_s,
+    return sample_cache_config(
+        namespace, capacity_bytes=4 << 20, max_entries=64, ways=8, return_mode="clone", ttl_s=ttl_s
     )
 
 

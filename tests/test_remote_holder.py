@@ -137,7 +137,7 @@ def test_a_pull_buffer_set_aside_comes_back_only_after_its_late_call_moved_every
         buffer = staging.pull_buffer(4096)
         assert buffer is not None
         late: Future[Any] = Future()
-        staging.poison(None if answer is None else LateCall(late, lambda rc: rc == 4096))
+        staging.set_aside(None if answer is None else LateCall(late, lambda rc: rc == 4096))
         assert staging.pull_buffer(4096) is None  # the call is still running: it may write there
         if answer == TRANSFER_FAILED:
             late.set_exception(RuntimeError("transfer failed"))

@@ -1,12 +1,13 @@
 /* shmcache.node._native: the hot transactions of the node layer, one native call each.
  *
- * Python keeps the slow paths (claim, takeover, allocation, eviction, repair, reaping); every
+ * Python keeps the slow paths (claim, takeover, the allocation and eviction decisions, repair,
+ * reaping); every
  * step both sides use has its one implementation here: entering and leaving a section, the key
  * scan, reading and writing a slot record with its crc, this process's pin records, its counters,
  * the access stamp and expiry. The allocator's two looks at the slot table (the first-fit gap,
  * the eviction order) are here too: one pass in C instead of a dozen numpy passes (allocator.py
- * decides what to do with them). The Python modules (sections.py, slots.py, pins.py, counters.py)
- * call these; lookups.py and index.py compose them.
+ * decides what to do with them). The Python modules (sections.py, slots.py, pins.py, counters.py,
+ * allocator.py) call these; lookups.py and index.py compose them.
  *
  * Byte layout: layout.py is the reference; this file repeats the few field offsets it needs as
  * constants and exports them (layout.py asserts that both agree at import).

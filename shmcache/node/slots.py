@@ -18,7 +18,7 @@ can no longer write (the owner's detach or death releases the pin).
 
 Every write of a record goes through the native writer (native.c, rule 3), which writes the
 record and its crc in one copy of their bytes: never field by field in place, so a reader without
-the lock (the allocator's snapshot, the eviction scan, repeat hits, existence checks) never sees a
+the lock (the allocator's looks, native.c rule 7; repeat hits, existence checks) never sees a
 live record as EMPTY and hands its memory out again. Python's writes go through
 `SlotTable.write`, which first checks the transition against `TRANSITIONS`; the native hot path
 makes only pin changes (SEALED/STALE as themselves), expiry (SEALED -> STALE or EMPTY) and the

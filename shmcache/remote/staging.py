@@ -43,7 +43,7 @@ class LateCall:
         return done.done() and not done.cancelled() and done.exception() is None and self.clean(done.result())
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _SetAside:
     """A pull buffer a failed transfer may still write into, and the call that may."""
 
@@ -80,7 +80,7 @@ class Staging:
             return buffer
         if self.pooled:
             if buffer is not None or size > self._half or not self._pull_room:
-                return None  # too large for the pull half, or that half was poisoned
+                return None  # too large for the pull half, or that half is set aside
             self._pull_room = False
             buffer = self._pool_array(self._half)
         else:
@@ -90,7 +90,7 @@ class Staging:
         self._pull = buffer
         return buffer
 
-    def poison(self, late: LateCall | None) -> None:
+    def set_aside(self, late: LateCall | None) -> None:
         """The pull buffer saw a failed transfer: set it aside until `late`, the call that outlived
         its wait, has transferred everything (never, without one)."""
         if not self.pooled:  # a new array replaces it: those nothing writes into any more can go

@@ -227,10 +227,10 @@ class RemoteStore:
         try:
             outcome = self.fetch_into(name, int(buffer.ctypes.data), size, late.append)
         except BaseException:  # interrupted while the transfer may go on
-            staging.poison(None)
+            staging.set_aside(None)
             raise
         if outcome is Transfer.TAINTED:
-            staging.poison(LateCall(late[0], lambda rc: rc == size) if late else None)
+            staging.set_aside(LateCall(late[0], lambda rc: rc == size) if late else None)
         return buffer[:size] if outcome is Transfer.DONE else None
 
     def pulls_in_place(self, address: int, nbytes: int) -> bool:
@@ -293,11 +293,11 @@ class RemoteStore:
         try:
             rcs = self._call("batch_get_into", names, addresses, [cap] * len(names), stuck=late.append)
         except BaseException:  # interrupted while the transfers may go on
-            staging.poison(None)
+            staging.set_aside(None)
             raise
         if not isinstance(rcs, list):
             if rcs is TIMED_OUT:  # the transfers may still write there
-                staging.poison(LateCall(late[0], _batch_clean) if late else None)
+                staging.set_aside(LateCall(late[0], _batch_clean) if late else None)
             return found, []
         larger = []
         for i, rc in enumerate(rcs):
@@ -308,7 +308,7 @@ class RemoteStore:
             elif _taints(rc):
                 self._count(Counter.REMOTE_ERRORS, 1)
         if not _batch_clean(rcs):
-            staging.poison(None)  # a failed transfer may still write into its part of the buffer
+            staging.set_aside(None)  # a failed transfer may still write into its part of the buffer
         return found, larger
 
     def publish(self, name: str, address: int, nbytes: int, done: Callable[[bool], None]) -> bool:
