@@ -364,3 +364,20 @@ def test_destroy_removes_the_namespace_under_attached_users(
         user.get_or_compute(key(pconfig, "y"), lambda: torch.ones(1))
     user.close()
     assert kernel_objects() == before
+
+
+def test_a_cache_is_refused_in_a_forked_child(
+    config: CacheConfig, pconfig: EncoderPreprocessingConfig
+) -> None:
+    with EmbeddingCache(config) as cache:
+        cache.put(key(pconfig, "x"), torch.ones(1))
+        pid = os.fork()
+        if pid == 0:  # the child: every call refuses, nothing is touched; no atexit, no detach
+            try:
+                cache.get(key(pconfig, "x"))
+            except CacheClosed:
+                os._exit(0)
+            os._exit(1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert cache.get(key(pconfig, "x")) is not None  # the parent's cache is untouched

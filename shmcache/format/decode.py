@@ -74,11 +74,7 @@ class ParsedValue:
     arrays: tuple[ArraySpec, ...]
     meta: bytes
     total_len: int
-
-    @property
-    def on_device(self) -> bool:
-        """True if any array was on a GPU when it was stored."""
-        return any(spec.lib in DEVICE_LIBS for spec in self.arrays)
+    on_device: bool  # any array was on a GPU when it was stored
 
 
 _parsed_heads: dict[bytes, ParsedValue] = {}
@@ -125,7 +121,8 @@ def _parse_head(buffer: memoryview, head: tuple[Any, ...]) -> ParsedValue:
     if position != end_of_descriptors:
         raise CorruptValue("value descriptor length mismatch")
     meta = bytes(buffer[end_of_head - meta_len : end_of_head])
-    return ParsedValue(kind, tuple(arrays), meta, total)
+    on_device = any(spec.lib in DEVICE_LIBS for spec in arrays)
+    return ParsedValue(kind, tuple(arrays), meta, total, on_device)
 
 
 def _check_header(head: tuple[Any, ...]) -> None:
@@ -299,8 +296,14 @@ def _token_list(array: Any) -> list[int]:
     return tokens
 
 
+_ALIAS_BY_TYPE: dict[type, Callable[[Any], Any]] = {np.ndarray: np.ndarray.view, list: list}
+
+
 def alias(value: Value) -> Value:
     """A new value object sharing `value`'s memory (a repeat hit's cheap copy of the handle)."""
+    by_type = _ALIAS_BY_TYPE.get(type(value))  # the common types in one look (repeat hits)
+    if by_type is not None:
+        return by_type(value)
     if isinstance(value, np.ndarray):
         return value.view()
     if isinstance(value, HiddenStatePrefix):
@@ -310,6 +313,7 @@ def alias(value: Value) -> Value:
     if isinstance(value, dict):
         return {name: alias(item) for name, item in value.items()}
     if is_tensor(value):
+        _ALIAS_BY_TYPE[type(value)] = type(value).detach  # torch is imported by now
         return value.detach()
     return value.view()  # a CUDA array of another library
 

@@ -43,6 +43,21 @@ __all__ = ["EmbeddingCache", "Reservation", "ReservationTicket", "open_caches"]
 
 log = logging.getLogger("shmcache")
 _open: weakref.WeakSet[EmbeddingCache] = weakref.WeakSet()
+_forks = 0  # forks this interpreter went through (counted in the child by os.register_at_fork)
+
+
+def _count_fork() -> None:
+    global _forks
+    _forks += 1
+
+
+os.register_at_fork(after_in_child=_count_fork)
+
+
+def _forked_since(forks: int) -> bool:
+    """True in a child forked after `forks` forks were counted (a counter, not `os.getpid()`:
+    that is a system call, and the check runs on every call of a cache)."""
+    return _forks != forks
 
 
 @atexit.register
@@ -64,7 +79,7 @@ class EmbeddingCache:
     def __init__(self, config: CacheConfig | None = None) -> None:
         self.config = config = config or CacheConfig()
         self._enabled = config.enable_embedding_cache
-        self._pid = os.getpid()
+        self._forks = _forks  # a cache is its opener's: a forked child must open its own
         self._closed = False
         if not self._enabled:
             return
@@ -284,7 +299,7 @@ class EmbeddingCache:
         """Release this process's references and detach; the last process to detach removes the
         namespace. Views still alive keep their pins until they are garbage collected (or the
         interpreter exits), and the detach waits for that."""
-        if not self._enabled or self._closed or os.getpid() != self._pid:
+        if not self._enabled or self._closed or _forked_since(self._forks):
             self._closed = True
             return
         for request_id in self._requests.ids():
@@ -326,7 +341,7 @@ class EmbeddingCache:
     def _index(self) -> NodeIndex:
         if self._closed:
             raise CacheClosed("this EmbeddingCache is closed")
-        if os.getpid() != self._pid:
+        if _forked_since(self._forks):
             raise CacheClosed("an EmbeddingCache cannot be used across fork(); open a new one in the child")
         return self._node
 
@@ -335,7 +350,7 @@ class EmbeddingCache:
 
     def _force_close(self) -> None:
         """Detach now even if views are alive (interpreter exit: nothing will read them again)."""
-        if not self._enabled or os.getpid() != self._pid or self._detached:
+        if not self._enabled or _forked_since(self._forks) or self._detached:
             return
         self._closed = True
         self._close_device()

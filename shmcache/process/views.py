@@ -13,8 +13,7 @@ import logging
 import threading
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -46,9 +45,8 @@ def _weak(value: Value) -> weakref.ref[Any] | None:
         return None
 
 
-@dataclass(frozen=True)
-class _Mapping:
-    """This process's live zero-copy mapping of one entry."""
+class _Mapping(NamedTuple):
+    """This process's live zero-copy mapping of one entry (a NamedTuple: made on every delivery)."""
 
     slot: int
     gen: int
@@ -70,10 +68,11 @@ class Views:
         requests: RequestRefs,
         releases: Releases,
     ) -> None:
-        self._node, self._arena, self._config, self._device = node, segments.arena_views, config, device
+        self._node, self._arena, self._device = node, segments.arena_views, device
         self._shared = memoryview(segments.arena)  # entry heads are checked here: no fault in a view
         self._requests, self._releases = requests, releases
         self._clone = config.return_mode == "clone"
+        self._check_views = config.debug_check_views
         self._local: dict[bytes, _Mapping] = {}
         self._lock = threading.Lock()
 
@@ -171,7 +170,7 @@ class Views:
         # the head is checked in the shared mapping (the same bytes: the entry is pinned), so the
         # view's pages are first touched by the consumer, if at all
         body = entry.verify(self._shared[sealed.offset : sealed.offset + sealed.size], key, sealed.gen)
-        if self._config.debug_check_views and not entry.checksum_matches(holder.data):
+        if self._check_views and not entry.checksum_matches(holder.data):
             raise CorruptValue("the node's copy does not match its checksum")
         parsed = decode.parse(body)
         if parsed.on_device:
@@ -183,9 +182,9 @@ class Views:
         return value, parsed, False
 
     def _check_unmodified(self, needle: bytes, key: EmbeddingCacheKey, holder: np.ndarray) -> None:
-        """Debug mode: `ViewMutated` if a view this process was given of `key` was written to
+        """(Debug mode) `ViewMutated` if a view this process was given of `key` was written to
         (the write stayed in this process's copy-on-write mapping; the next get maps afresh)."""
-        if self._config.debug_check_views and not entry.checksum_matches(holder.data):
+        if not entry.checksum_matches(holder.data):
             with self._lock:
                 self._local.pop(needle, None)
             raise ViewMutated(
@@ -209,7 +208,8 @@ class Views:
                 return None  # a GPU entry's device arrays are made by a full delivery (its route)
             if found.aliases is not None and not self._device.still_aliasable(slot, found.aliases):
                 return None  # its exporter died or withdrew it: no new aliases of that memory
-        self._check_unmodified(needle, key, holder)
+        if self._check_views:
+            self._check_unmodified(needle, key, holder)
         if request_id is not None:
             if not node.add_ref(slot, gen):
                 return None
