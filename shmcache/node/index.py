@@ -105,8 +105,13 @@ class NodeIndex:
 
     # ------------------------------------------------------------------ reservations
     def reserve(self, needle: bytes, meta: tuple[int, int], pins: int) -> Claim:
-        """One step of get-or-reserve for `needle` (modality and key-kind `meta`), in one stripe
-        section: a pinned hit, our new reservation, another live owner's, or FULL."""
+        """One step of get-or-reserve for `needle` (modality and key-kind `meta`): a pinned hit,
+        our new reservation, another live owner's, or FULL. A hit is found by the native lookup
+        (most steps are hits: a woken waiter's, get_or_compute's); a miss then runs one stripe
+        section that looks again and reserves."""
+        found = self.lookups.lookup(needle, pins)
+        if found is not None:
+            return Claim(ClaimKind.HIT, found.slot, found.gen, hit=found)
         stripe = self.stripe_of(needle)
         now = time.monotonic()
         with self.sections.stripe(stripe):
