@@ -372,12 +372,19 @@ def test_a_cache_is_refused_in_a_forked_child(
     with EmbeddingCache(config) as cache:
         cache.put(key(pconfig, "x"), torch.ones(1))
         pid = os.fork()
-        if pid == 0:  # the child: every call refuses, nothing is touched; no atexit, no detach
+        if pid == 0:  # the child: each call refuses, nothing is touched; it never returns to pytest
+            refused = 0
             try:
-                cache.get(key(pconfig, "x"))
-            except CacheClosed:
-                os._exit(0)
-            os._exit(1)
+                for call in (
+                    lambda: cache.get(key(pconfig, "x")),
+                    lambda: cache.put(key(pconfig, "y"), torch.ones(1)),
+                ):
+                    try:
+                        call()
+                    except CacheClosed:
+                        refused += 1
+            finally:
+                os._exit(0 if refused == 2 else 1)
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0
         assert cache.get(key(pconfig, "x")) is not None  # the parent's cache is untouched
