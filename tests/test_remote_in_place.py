@@ -95,3 +95,58 @@ def test_a_transfer_that_hangs_sets_its_memory_aside_until_it_ends(
         proc.join(30)
         if proc.is_alive():
             kill(proc)
+
+
+def set_aside_and_stay(config: CacheConfig, name: str, ready: Any) -> None:
+    """Node B's victim: a pull that hangs (node A is stopped) sets its memory aside; the value is
+    computed instead; then stay, the memory still set aside, until killed."""
+    with EmbeddingCache(config) as cache:
+        value = cache.get_or_compute(key_of(name), lambda: expected_value(name, SIZE))
+        assert fingerprint(value) == fingerprint(expected_value(name, SIZE))
+        assert cache.stats()["remote_set_aside"] == 1
+        ready.set()
+        time.sleep(600)
+
+
+def test_memory_set_aside_by_a_process_that_dies_comes_back_to_the_node(
+    shmcache_mooncake: MooncakeMaster, shmcache_namespace: str, other_namespace: str
+) -> None:
+    node_a = remote_config(shmcache_namespace, shmcache_mooncake.address)
+    nbytes = 2 * SIZE + 4096
+    node_b = dataclasses.replace(
+        node_a, namespace=other_namespace, capacity_bytes=3 * nbytes, remote_timeout_s=1.0
+    )
+    ctx = mp.get_context("spawn")
+    ready, done, victim_ready = ctx.Event(), ctx.Event(), ctx.Event()
+    proc = spawn(publisher, node_a, "shared", ready, done)
+    victim = None
+    try:
+        assert ready.wait(60), "node A did not publish"
+        assert proc.pid is not None
+        os.kill(proc.pid, signal.SIGSTOP)  # a pull from it hangs mid-transfer
+        with EmbeddingCache(dataclasses.replace(node_b, remote_master=None)) as survivor:
+            victim = spawn(set_aside_and_stay, node_b, "shared", victim_ready)
+            assert victim_ready.wait(60), "the victim did not set its pull's memory aside"
+            assert survivor.stats()["stale"] == 1  # the memory set aside, pinned by the victim
+            kill(victim)  # its transfer died with it: nothing can write that memory any more
+            survivor.gc()  # reaps the dead client: its pin no longer counts
+            stats = survivor.stats()
+            assert stats["stale"] == 0 and stats["references"] == 0 and stats["clients"] == 1, stats
+            shared = survivor.get(key_of("shared"))  # what the victim computed stays served
+            assert fingerprint(shared) == fingerprint(expected_value("shared", SIZE))
+            del shared
+            survivor.flush_releases()
+            held = [survivor.get_or_compute(key_of(n), lambda n=n: expected_value(n, SIZE)) for n in "xyz"]
+            assert survivor.stats()["uncacheable"] == 0  # all 3 fit: the memory set aside is free again
+            for n, value in zip("xyz", held, strict=True):
+                assert fingerprint(value) == fingerprint(expected_value(n, SIZE))
+            del held, value
+    finally:
+        if victim is not None and victim.is_alive():
+            kill(victim)
+        if proc.pid is not None:
+            os.kill(proc.pid, signal.SIGCONT)  # first: a stopped process would hold up `done.set()`
+        done.set()
+        proc.join(30)
+        if proc.is_alive():
+            kill(proc)
