@@ -8,14 +8,18 @@ import multiprocessing as mp
 import os
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from shmcache import CacheConfig, EmbeddingCache, destroy_namespace
-from shmcache.testing import MooncakeMaster
-from tests.helpers import kill, spawn
+from shmcache.remote.lease import LEASE_SUFFIX
+from shmcache.remote.store import remote_key
+from shmcache.testing import MooncakeHolder, MooncakeMaster
+from tests import workers
+from tests.helpers import kill, spawn, wait_for
 from tests.test_remote import remote_config
 from tests.workers import expected_value, fingerprint, key_of
 
@@ -157,3 +161,84 @@ def test_a_dropped_publish_gives_the_lease_up_at_once(
             del value
     finally:
         destroy_namespace(other.namespace)
+
+
+def _lease_in_store(cache: EmbeddingCache, name: str) -> bytes | None:
+    """The lease of `name` as the store holds it now (None: no lease)."""
+    bridge = cache._bridge
+    assert bridge is not None
+    return bridge.store.get_bytes(remote_key(cache.config.remote_key_prefix, key_of(name)) + LEASE_SUFFIX)
+
+
+@pytest.fixture
+def holder(shmcache_mooncake: MooncakeMaster) -> Iterator[MooncakeHolder]:
+    """Node A's store holder: what its workers publish outlives them, as in a deployment."""
+    running = MooncakeHolder(shmcache_mooncake)
+    yield running
+    running.kill()
+
+
+@pytest.mark.parametrize("giver_withdraws", [False, True], ids=["giver-lets-go", "giver-withdraws"])
+@pytest.mark.parametrize("fail", [False, True], ids=["adopter-publishes", "adopter-fails"])
+def test_a_lease_goes_with_the_reservation_handed_over(
+    shmcache_mooncake: MooncakeMaster,
+    holder: MooncakeHolder,
+    shmcache_namespace: str,
+    other_namespace: str,
+    tmp_path: Path,
+    fail: bool,
+    giver_withdraws: bool,
+) -> None:
+    """A scheduler process takes the node reservation and the cross-node lease, and hands both to
+    its worker process: the worker's publish, or its failure, removes the lease at once (another
+    node waits for no deadline); the scheduler forgets it once the worker adopted, and its
+    withdraw (an engine closing) then leaves it alone."""
+    import dataclasses
+
+    config = remote_config(
+        shmcache_namespace, shmcache_mooncake.address, compute_timeout_s=60.0, remote_holder=holder.address
+    )
+    with (
+        EmbeddingCache(config) as a,
+        EmbeddingCache(dataclasses.replace(config, namespace=other_namespace, remote_holder=None)) as b,
+    ):
+        [res] = a.try_reserve_many([key_of("k")])
+        assert res is not None and res.owned
+        token = _lease_in_store(a, "k")
+        assert token is not None  # the lease is ours
+        ticket = res.hand_over()
+        assert ticket.lease is not None and ticket.lease.token == token
+        adopted, go = tmp_path / "adopted", tmp_path / "go"
+        adopter = spawn(workers.adopt_then, config, ticket, "k", str(adopted), str(go), fail)
+        try:
+            wait_for(adopted.exists, what="the adoption")
+            assert adopted.read_text() == "adopted"
+            if giver_withdraws:
+                res.withdraw()  # fenced: the worker's reservation and lease stay
+            assert res.let_go()
+            assert a._bridge is not None and a._bridge.lease_of(res) is None  # forgotten here
+            assert _lease_in_store(a, "k") == token  # still held: by the worker now
+            go.touch()
+            adopter.join(60)
+            assert adopter.exitcode == 0
+        finally:
+            if adopter.is_alive():
+                kill(adopter)
+        assert _lease_in_store(a, "k") is None  # removed by the worker, not left to its deadline
+        started = time.monotonic()
+        value = b.get_or_compute(key_of("k"), lambda: expected_value("k"))
+        assert time.monotonic() - started < 20  # not the 60 s deadline
+        assert fingerprint(value) == fingerprint(expected_value("k"))
+        assert b.stats()["computes" if fail else "hits_remote"] == 1
+        del value
+
+
+def test_a_handed_over_reservation_abandoned_before_its_adoption_removes_its_lease(
+    shmcache_mooncake: MooncakeMaster, shmcache_namespace: str
+) -> None:
+    with EmbeddingCache(remote_config(shmcache_namespace, shmcache_mooncake.address)) as a:
+        [res] = a.try_reserve_many([key_of("k")])
+        assert res is not None and res.owned and _lease_in_store(a, "k") is not None
+        res.hand_over()
+        res.abandon("the worker never came")  # nobody adopted it: it ends here, and its lease
+        assert _lease_in_store(a, "k") is None

@@ -8,6 +8,7 @@ import json
 import os
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ pytest.importorskip("vllm", reason="the vllm extra is not installed")
 
 from shmcache import CacheConfig, EmbeddingCache, destroy_namespace
 from shmcache.integrations.vllm_omni import stage_with_embedding_cache
-from shmcache.testing import namespace_objects
+from shmcache.testing import MooncakeHolder, MooncakeMaster, namespace_objects
 from tests.helpers import inspect_show, wait_for
 from tests.vllm.engine import EngineProcess, EngineResult, EngineRun, ImageRequest, spawn_engine
 from tests.vllm.model import build_tiny_llava
@@ -72,6 +73,36 @@ def test_a_second_engine_loads_what_the_first_encoded(
     shown = inspect_show(namespace)
     assert [entry["references"] for entry in shown["entries"]] == [0, 0]  # the requests let go
     assert [client["pid"] for client in shown["clients"]] == [os.getpid()]
+
+
+def test_an_engine_on_another_node_loads_through_mooncake_what_the_first_node_encoded(
+    model: str, namespace: str, other_namespace: str, shmcache_mooncake: MooncakeMaster, tmp_path: Path
+) -> None:
+    """Two nodes (two namespaces) share one Mooncake store. Node A's engine attaches to its node's
+    store holder, so its copies outlive it; node B's engine, started after A's exited, pulls both
+    images in its scheduler (one pull per node) and encodes nothing."""
+    remote = {"remote_master": shmcache_mooncake.address, "remote_key_prefix": f"vllm-{uuid.uuid4().hex[:8]}"}
+    holder = MooncakeHolder(shmcache_mooncake)
+    node_b = CacheConfig(enable_embedding_cache=True, namespace=other_namespace, capacity_bytes=CAPACITY)
+    requests = (ImageRequest(image_seed=5), ImageRequest(image_seed=6))
+    try:
+        with (
+            EmbeddingCache(dataclasses.replace(node_b, namespace=namespace)) as a,
+            EmbeddingCache(node_b) as b,
+        ):
+            ec_a = connector(namespace, remote_holder=holder.address, **remote)
+            first = spawn_engine(EngineRun(model, str(tmp_path / "a.json"), requests, ec_a))
+            assert first.encoder_runs == 2 and a.stats()["remote_publishes"] == 2
+            ec_b = connector(other_namespace, remote_segment_bytes=CAPACITY, **remote)
+            second = spawn_engine(
+                EngineRun(model, str(tmp_path / "b.json"), requests, ec_b, multiprocess=True)
+            )
+            assert second.encoder_runs == 0
+            assert _tokens(second) == _tokens(first)
+            stats = b.stats()
+            assert stats["hits_remote"] == 2 and stats["computes"] == 0 and stats["entries"] == 2, stats
+    finally:
+        holder.kill()
 
 
 def _gated(tmp_path: Path, name: str) -> dict[str, str]:

@@ -196,9 +196,12 @@ def churn_refs(config: CacheConfig, name: str, ready: str, stop: str) -> None:
                 node.release([(info.slot, info.gen)])
 
 
-def adopt_then(config: CacheConfig, ticket: Any, name: str, adopted: str, go: str | None) -> None:
+def adopt_then(
+    config: CacheConfig, ticket: Any, name: str, adopted: str, go: str | None, fail: bool = False
+) -> None:
     """Adopt the reservation of `name` from `ticket`, report it in the file `adopted`; then commit
-    when the file `go` appears, or (go None) wait to be SIGKILLed holding it."""
+    (`fail`: abandon, as a failed compute does) when the file `go` appears, or (go None) wait to
+    be SIGKILLed holding it."""
     cache = EmbeddingCache(config)
     res = cache.adopt(ticket, key_of(name))
     Path(adopted).write_text("adopted" if res is not None else "lost")
@@ -207,7 +210,10 @@ def adopt_then(config: CacheConfig, ticket: Any, name: str, adopted: str, go: st
         return
     while not Path(go).exists():
         time.sleep(0.01)
-    res.commit(expected_value(name))
+    if fail:
+        res.abandon("the encoder failed")
+    else:
+        res.commit(expected_value(name))
     cache.close()
 
 

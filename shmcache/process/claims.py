@@ -250,14 +250,17 @@ class Claims:
         return value if result is None else result
 
     def abandon(self, reservation: Reservation, reason: str) -> None:
-        self._node.abandon(reservation.slot, reservation.gen, FailureKind.FAILED, reason)
-        if self.bridge is not None:
-            self.bridge.end_lease(reservation, failed=True)
+        self._end(reservation, FailureKind.FAILED, reason)
 
     def withdraw(self, reservation: Reservation) -> None:
-        self._node.abandon(reservation.slot, reservation.gen, FailureKind.NONE, "withdrawn")
+        self._end(reservation, FailureKind.NONE, "withdrawn")
+
+    def _end(self, reservation: Reservation, kind: FailureKind, reason: str) -> None:
+        """Abandon the reservation (fenced: not if another process adopted it or took it over);
+        its lease is removed if it ended here, else only forgotten (the adopter holds it)."""
+        ended = self._node.abandon(reservation.slot, reservation.gen, kind, reason)
         if self.bridge is not None:
-            self.bridge.end_lease(reservation, failed=True)
+            self.bridge.end_lease(reservation, failed=ended)
 
     def ticket(self, reservation: Reservation) -> ReservationTicket:
         return ReservationTicket(
@@ -266,10 +269,14 @@ class Claims:
             reservation.gen,
             self._node.client,
             reservation.key.digest,
+            None if self.bridge is None else self.bridge.lease_of(reservation),
         )
 
     def let_go(self, reservation: Reservation) -> bool:
-        return self._node.let_go(reservation.slot, reservation.gen)
+        adopted_or_ended = self._node.let_go(reservation.slot, reservation.gen)
+        if adopted_or_ended and self.bridge is not None:
+            self.bridge.end_lease(reservation, failed=False)  # the adopter holds it now
+        return adopted_or_ended
 
     def adopt(
         self, ticket: ReservationTicket, key: EmbeddingCacheKey, request_id: RequestId | None
@@ -280,4 +287,7 @@ class Claims:
             raise InvalidKey(f"{key!r}: the ticket is for another key or namespace")
         if not self._node.adopt(ticket.slot, ticket.gen, ticket.giver):
             return None
-        return Reservation(self, key, request_id, slot=ticket.slot, gen=ticket.gen)
+        reservation = Reservation(self, key, request_id, slot=ticket.slot, gen=ticket.gen)
+        if ticket.lease is not None and self.bridge is not None:
+            self.bridge.take_lease(reservation, ticket.lease)  # our publish or failure removes it
+        return reservation

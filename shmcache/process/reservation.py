@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from shmcache.errors import ReservationLost
 from shmcache.format.values import Value
 from shmcache.keys.key import EmbeddingCacheKey
+
+if TYPE_CHECKING:
+    from shmcache.remote.lease import Lease
 
 __all__ = ["RequestId", "Reservation", "ReservationHolder", "ReservationTicket"]
 
@@ -24,6 +27,7 @@ class ReservationTicket:
     gen: int
     giver: int  # the client record of the handing process
     digest: bytes  # the key's digest: adoption checks the adopter means the same key
+    lease: Lease | None = None  # the cross-node lease taken for it, which the adopter then holds
 
 
 class ReservationHolder(Protocol):

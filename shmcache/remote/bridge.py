@@ -81,7 +81,7 @@ class RemoteBridge:
         del address
         self._lock = threading.Lock()  # one staged pull at a time: they share the store's pull buffer
         self._single_flight, self._lease_s = single_flight, lease_s
-        self._leases: dict[tuple[int, int], tuple[str, bytes]] = {}  # (slot, gen) -> (name, token)
+        self._leases: dict[tuple[int, int], lease.Lease] = {}  # by the (slot, gen) it covers
         self._tainted = False  # a transfer into the arena failed: its memory is set aside
         self._kept: list[Reservation] = []  # tainted, and no pin to set it aside: kept till close
         self._closing, self._closed = threading.Lock(), False
@@ -203,7 +203,7 @@ class RemoteBridge:
         name = remote_key(self._prefix, reservation.key)
         token, value = lease.hold_or_wait(self.store, name, self._lease_s, lambda: self.pull(reservation))
         if token is not None:
-            self._leases[(reservation.slot, reservation.gen)] = (name, token)
+            self._leases[(reservation.slot, reservation.gen)] = lease.Lease(name, token)
         return value
 
     def lease_now(self, reservation: Reservation) -> bool:
@@ -215,15 +215,24 @@ class RemoteBridge:
         token = lease.try_hold(self.store, name, self._lease_s)
         if token is None:
             return False
-        self._leases[(reservation.slot, reservation.gen)] = (name, token)
+        self._leases[(reservation.slot, reservation.gen)] = lease.Lease(name, token)
         return True
 
+    def lease_of(self, reservation: Reservation) -> lease.Lease | None:
+        """The lease we hold for `reservation` (it goes with the reservation when handed over)."""
+        return self._leases.get((reservation.slot, reservation.gen))
+
+    def take_lease(self, reservation: Reservation, held: lease.Lease) -> None:
+        """Hold `held` for `reservation`, adopted from the process that took it: our publish (or
+        our failure) removes it."""
+        self._leases[(reservation.slot, reservation.gen)] = held
+
     def end_lease(self, reservation: Reservation, *, failed: bool) -> None:
-        """The reservation ended: forget its lease, and remove it if the compute failed (a
+        """The reservation ended here: forget its lease, and remove it if the compute failed (a
         waiting node then takes over at once instead of at the lease's deadline)."""
         held = self._leases.pop((reservation.slot, reservation.gen), None)
         if held is not None and failed:
-            lease.release(self.store, *held)
+            lease.release(self.store, held)
 
     def pull_many(self, reservations: Sequence[Reservation]) -> list[Pulled]:
         """`pull` of many node misses in one batch call (each value up to `BATCH_ITEM_BYTES`;
@@ -294,7 +303,7 @@ class RemoteBridge:
 
         def unpublished() -> None:
             if held is not None:
-                lease.release(self.store, *held)
+                lease.release(self.store, held)
 
         def done(stored: bool) -> None:
             node.release([(slot, gen)])

@@ -29,16 +29,23 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Callable
-from typing import Final
+from typing import Final, NamedTuple
 
 from shmcache.format.values import Value
 from shmcache.remote.store import RemoteStore
 
-__all__ = ["LEASE_SUFFIX", "hold_or_wait", "release", "try_hold"]
+__all__ = ["LEASE_SUFFIX", "Lease", "hold_or_wait", "release", "try_hold"]
 
 LEASE_SUFFIX: Final = "@lease"
 POLL_S: Final = 0.05
 READ_S: Final = 2.0
+
+
+class Lease(NamedTuple):
+    """A lease this node holds: the value's name in the store and our token in its lease."""
+
+    name: str
+    token: bytes
 
 
 def _token(timeout_s: float) -> bytes:
@@ -78,7 +85,7 @@ def hold_or_wait(
         held = _read(store, lease)
     value = pull()  # a holder that published and removed its lease just before we put ours
     if value is not None:
-        release(store, name, mine)
+        release(store, Lease(name, mine))
         return None, value
     return mine, None
 
@@ -110,8 +117,8 @@ def _read(store: RemoteStore, lease: str) -> bytes | None:
         time.sleep(POLL_S)
 
 
-def release(store: RemoteStore, name: str, token: bytes) -> None:
-    """Remove our lease of `name` (our compute failed), if it is still ours."""
-    lease = name + LEASE_SUFFIX
-    if store.get_bytes(lease) == token:
+def release(store: RemoteStore, held: Lease) -> None:
+    """Remove our lease `held`, if it is still ours."""
+    lease = held.name + LEASE_SUFFIX
+    if store.get_bytes(lease) == held.token:
         store.remove(lease)

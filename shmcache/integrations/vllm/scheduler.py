@@ -68,26 +68,33 @@ class SchedulerSide:
 
     def ensure(self, request: Any, num_computed_tokens: int) -> bool:
         """True if every item of `request` still to encode is sealed, ours, or now reserved by
-        us; False (nothing held for it) if another process computes one of them."""
-        pending = [
-            feature
-            for feature in request.mm_features
-            if feature.mm_position.offset + feature.mm_position.length > num_computed_tokens
-        ]
-        taken: list[str] = []
-        for feature in pending:
+        us; False (nothing held for it) if another process, or another node, computes one of
+        them. The node misses are claimed in one call, which with a remote store configured pulls
+        those the store has (one batch; the item is then sealed on the node and loaded) and takes
+        the cross-node lease of the rest."""
+        todo: list[str] = []
+        for feature in request.mm_features:
+            if feature.mm_position.offset + feature.mm_position.length <= num_computed_tokens:
+                continue
             identifier = feature.identifier
             self._modalities[identifier] = feature.modality
-            if identifier in self._reserved or self._cache.contains(self.key(identifier)):
-                continue
-            res = self._cache.try_reserve(self.key(identifier))
-            if res is None:  # another engine computes it: wait for its seal, holding nothing
-                self._give_back(taken)
-                return False
-            if res.owned:
-                self._reserved[identifier] = res
-                self._owners[identifier] = request.request_id
-                taken.append(identifier)
+            if identifier not in self._reserved and not self._cache.contains(self.key(identifier)):
+                todo.append(identifier)
+        if not todo:
+            return True
+        claims = self._cache.try_reserve_many([self.key(identifier) for identifier in todo])
+        owned = {
+            identifier: res
+            for identifier, res in zip(todo, claims, strict=True)
+            if res is not None and res.owned
+        }
+        if any(res is None for res in claims):  # another computes one: wait for its seal, holding nothing
+            for res in owned.values():
+                res.withdraw()
+            return False
+        for identifier, res in owned.items():  # the others were pulled: sealed on the node now
+            self._reserved[identifier] = res
+            self._owners[identifier] = request.request_id
         return True
 
     def after_alloc(self, request: Any, index: int) -> None:
