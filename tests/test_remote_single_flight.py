@@ -178,8 +178,11 @@ def holder(shmcache_mooncake: MooncakeMaster) -> Iterator[MooncakeHolder]:
     running.kill()
 
 
-@pytest.mark.parametrize("giver_withdraws", [False, True], ids=["giver-lets-go", "giver-withdraws"])
-@pytest.mark.parametrize("fail", [False, True], ids=["adopter-publishes", "adopter-fails"])
+@pytest.mark.parametrize(
+    ("fail", "giver_withdraws"),
+    [(False, False), (True, False), (False, True)],
+    ids=["adopter-publishes", "adopter-fails", "giver-withdraws-after-adoption"],
+)
 def test_a_lease_goes_with_the_reservation_handed_over(
     shmcache_mooncake: MooncakeMaster,
     holder: MooncakeHolder,
