@@ -245,3 +245,38 @@ def test_a_handed_over_reservation_abandoned_before_its_adoption_removes_its_lea
         res.hand_over()
         res.abandon("the worker never came")  # nobody adopted it: it ends here, and its lease
         assert _lease_in_store(a, "k") is None
+
+
+@pytest.mark.parametrize("batch", [False, True], ids=["get_or_compute", "try_reserve_many"])
+def test_a_lease_our_node_took_is_taken_over_at_once_when_its_taker_died(
+    shmcache_mooncake: MooncakeMaster,
+    holder: MooncakeHolder,
+    shmcache_namespace: str,
+    tmp_path: Path,
+    batch: bool,
+) -> None:
+    """A process of our node that held a key's node reservation and lease is SIGKILLed (the lease
+    lives on in the holder's segment): the node's next process takes over the reservation and,
+    seeing our own node's tag on the lease, the lease too, at once, not at its 60 s deadline."""
+    config = remote_config(
+        shmcache_namespace, shmcache_mooncake.address, compute_timeout_s=60.0, remote_holder=holder.address
+    )
+    ready = tmp_path / "ready"
+    with EmbeddingCache(config) as cache:  # attached throughout, as another engine or `shmcache hold`
+        victim = spawn(workers.reserve_then_wait, config, "k", batch, str(ready))
+        try:
+            wait_for(ready.exists, what="the victim's reservation and lease")
+        finally:
+            kill(victim)
+        assert _lease_in_store(cache, "k") is not None  # the dead process's lease outlived it
+        started = time.monotonic()
+        if batch:
+            [res] = cache.try_reserve_many([key_of("k")])
+            assert res is not None and res.owned  # not given back as another node's compute
+            value = res.commit(expected_value("k"))
+        else:
+            value = cache.get_or_compute(key_of("k"), lambda: expected_value("k"))
+        assert time.monotonic() - started < 20  # not the lease's 60 s deadline
+        assert fingerprint(value) == fingerprint(expected_value("k"))
+        assert cache.stats()["takeovers"] == 1 and cache.stats()["puts"] == 1
+        del value

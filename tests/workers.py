@@ -204,7 +204,8 @@ def adopt_then(
     be SIGKILLed holding it."""
     cache = EmbeddingCache(config)
     res = cache.adopt(ticket, key_of(name))
-    Path(adopted).write_text("adopted" if res is not None else "lost")
+    Path(adopted + ".tmp").write_text("adopted" if res is not None else "lost")
+    os.rename(adopted + ".tmp", adopted)  # whole: the test reads it as soon as it exists
     if res is None or go is None:
         time.sleep(3600)
         return
@@ -241,3 +242,14 @@ def get_or_compute_to(config: CacheConfig, name: str, out: str) -> None:
         value = cache.get_or_compute(key_of(name), compute)
         how = "computed" if computed else "waited"
         Path(out).write_text(f"{how} {fingerprint(value).hex()}")
+
+
+def reserve_then_wait(config: CacheConfig, name: str, batch: bool, ready: str) -> None:
+    """Own the node reservation of `name` and, with a remote store, its cross-node lease
+    (`try_reserve_many`, or the blocking `reserve`); say so in the file `ready`; wait to be
+    SIGKILLed holding both, as an engine killed mid-compute does."""
+    cache = EmbeddingCache(config)
+    [res] = cache.try_reserve_many([key_of(name)]) if batch else [cache.reserve(key_of(name))]
+    assert res is not None and res.owned
+    Path(ready).touch()
+    time.sleep(3600)

@@ -120,14 +120,17 @@ class Claims:
         """`claim` of every key without waiting; then the node misses we own are pulled from the
         remote store in one batch (under their reservations), and the rest leased (single flight):
         one another node is computing is given back (None, as for a key another process holds)."""
-        claims = [
-            self.claim(key, needle, request_id, wait=False) for key, needle in zip(keys, needles, strict=True)
-        ]
-        owned = {i: res for i, res in enumerate(claims) if res is not None and res.owned}
+        claims: list[Reservation | None] = []
+        owned: dict[int, Reservation] = {}
         bridge = self.bridge
-        if bridge is None or not owned:
-            return claims
         try:
+            for i, (key, needle) in enumerate(zip(keys, needles, strict=True)):
+                res = self.claim(key, needle, request_id, wait=False)
+                claims.append(res)
+                if res is not None and res.owned:
+                    owned[i] = res
+            if bridge is None or not owned:
+                return claims
             pulled = bridge.pull_many(list(owned.values()))
             for i, value in zip(owned, pulled, strict=True):
                 if value is LOOK_AGAIN:
@@ -137,10 +140,10 @@ class Claims:
                 elif not bridge.lease_now(owned[i]):
                     owned[i].withdraw()  # another node computes it: wait for it on the blocking path
                     claims[i] = None
-        except BaseException:
+        except BaseException:  # what we reserved goes back unused (waiters look again, no failure)
             for res in owned.values():
-                if res.owned and not bridge.keeps(res):
-                    res.abandon("pulling from the remote store failed")
+                if res.owned and (bridge is None or not bridge.keeps(res)):
+                    res.withdraw()
             raise
         return claims
 

@@ -81,6 +81,7 @@ class RemoteBridge:
         del address
         self._lock = threading.Lock()  # one staged pull at a time: they share the store's pull buffer
         self._single_flight, self._lease_s = single_flight, lease_s
+        self._node_tag = lease.node_tag(node.segments.names.index)  # in our lease tokens
         self._leases: dict[tuple[int, int], lease.Lease] = {}  # by the (slot, gen) it covers
         self._tainted = False  # a transfer into the arena failed: its memory is set aside
         self._kept: list[Reservation] = []  # tainted, and no pin to set it aside: kept till close
@@ -201,7 +202,9 @@ class RemoteBridge:
         if value is not None or not self._single_flight or not self.store.available:
             return value
         name = remote_key(self._prefix, reservation.key)
-        token, value = lease.hold_or_wait(self.store, name, self._lease_s, lambda: self.pull(reservation))
+        token, value = lease.hold_or_wait(
+            self.store, name, self._lease_s, self._node_tag, lambda: self.pull(reservation)
+        )
         if token is not None:
             self._leases[(reservation.slot, reservation.gen)] = lease.Lease(name, token)
         return value
@@ -212,7 +215,7 @@ class RemoteBridge:
         if not self._single_flight or not self.store.available:
             return True
         name = remote_key(self._prefix, reservation.key)
-        token = lease.try_hold(self.store, name, self._lease_s)
+        token = lease.try_hold(self.store, name, self._lease_s, self._node_tag)
         if token is None:
             return False
         self._leases[(reservation.slot, reservation.gen)] = lease.Lease(name, token)

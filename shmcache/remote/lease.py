@@ -4,7 +4,8 @@ together run one encoder forward between them (the RFC's "future extension"; no 
 The protocol rests on Mooncake's `put` never overwriting (first writer wins). A node that owns its
 node reservation of a key and found no copy in the store:
 
-1. puts `<value key>@lease` = its token (random id and deadline: now + `compute_timeout_s`) and
+1. puts `<value key>@lease` = its token (random id, the node's tag, and a deadline: now +
+   `compute_timeout_s`) and
    reads the lease back. Its own token: it holds the lease and computes; the value is published
    as every computed value is, and the lease is removed once that publish is over (the master
    may have put the lease in a segment that outlives the holder, while the holder's copy of the
@@ -17,6 +18,13 @@ node reservation of a key and found no copy in the store:
    by `compute_timeout_s`; two waiters taking over at once may both compute (still one per node).
 4. A holder whose compute fails, or whose publish is dropped or fails, removes its lease too, so
    a waiter takes over at once.
+5. A lease that bears our own node's tag is never waited for: we hold the key's node
+   reservation, so the process of our node that took the lease no longer does (it died, with
+   every process of the node if the namespace was wiped since): we take it over at once, where
+   another node waits for its deadline. The tag is a digest of the kernel's boot id, the host
+   name and the namespace's index object name (namespace and uid): two containers of one host
+   that share a host name and a namespace name would take each other's leases over at once
+   (each still computes once per node).
 
 `try_reserve_many` (the encoder hook's batch path) takes leases without waiting (`try_hold`): a
 key whose lease another node holds is given back by our node and waited for on the blocking path.
@@ -27,14 +35,17 @@ Any store error means "compute": node-local exactly-once never depends on the le
 from __future__ import annotations
 
 import secrets
+import socket
 import time
 from collections.abc import Callable
 from typing import Final, NamedTuple
 
+import xxhash
+
 from shmcache.format.values import Value
 from shmcache.remote.store import RemoteStore
 
-__all__ = ["LEASE_SUFFIX", "Lease", "hold_or_wait", "release", "try_hold"]
+__all__ = ["LEASE_SUFFIX", "Lease", "hold_or_wait", "node_tag", "release", "try_hold"]
 
 LEASE_SUFFIX: Final = "@lease"
 POLL_S: Final = 0.05
@@ -48,8 +59,18 @@ class Lease(NamedTuple):
     token: bytes
 
 
-def _token(timeout_s: float) -> bytes:
-    return f"{secrets.token_hex(8)}|{time.time() + timeout_s:.3f}".encode()
+def node_tag(index_name: str) -> str:
+    """The tag our lease tokens bear: this host's boot and name, and the namespace's index object."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = b""
+    return xxhash.xxh3_64_hexdigest(b"|".join([boot, socket.gethostname().encode(), index_name.encode()]))
+
+
+def _token(timeout_s: float, node: str) -> bytes:
+    return f"{secrets.token_hex(8)}|{node}|{time.time() + timeout_s:.3f}".encode()
 
 
 def _deadline(token: bytes) -> float:
@@ -59,19 +80,26 @@ def _deadline(token: bytes) -> float:
         return 0.0  # not a token of ours: take it over
 
 
+def _waits(held: bytes, node: str) -> bool:
+    """Whether a lease `held` by another holder is worth waiting for: another node's, before its
+    deadline (one our own node took is orphaned while we hold the node reservation)."""
+    parts = held.split(b"|")
+    return not (len(parts) == 3 and parts[1] == node.encode()) and time.time() < _deadline(held)
+
+
 def hold_or_wait(
-    store: RemoteStore, name: str, timeout_s: float, pull: Callable[[], Value | None]
+    store: RemoteStore, name: str, timeout_s: float, node: str, pull: Callable[[], Value | None]
 ) -> tuple[bytes | None, Value | None]:
     """(our lease token, None): compute the value; (None, value): another node computed it.
-    `pull` looks for the value in the store (under our node reservation)."""
+    `node` is our node's tag; `pull` looks for the value in the store (under our node
+    reservation)."""
     lease = name + LEASE_SUFFIX
-    mine = _token(timeout_s)
+    mine = _token(timeout_s, node)
     if not store.put_bytes(lease, mine):
         return mine, None  # the store does not answer: compute
     held = _read(store, lease)
     while held is not None and held != mine:
-        deadline = _deadline(held)
-        while time.time() < deadline:
+        while _waits(held, node):
             gone = store.size_of(lease) is None  # looked up first: a holder removes its lease
             value = pull()  # only after its publish is over, so a value stored is found now
             if value is not None:
@@ -79,7 +107,7 @@ def hold_or_wait(
             if gone:
                 break  # removed, the value not stored: take over
             time.sleep(POLL_S)
-        mine = _token(timeout_s)
+        mine = _token(timeout_s, node)
         if not store.upsert_bytes(lease, mine):
             return mine, None
         held = _read(store, lease)
@@ -90,18 +118,19 @@ def hold_or_wait(
     return mine, None
 
 
-def try_hold(store: RemoteStore, name: str, timeout_s: float) -> bytes | None:
+def try_hold(store: RemoteStore, name: str, timeout_s: float, node: str) -> bytes | None:
     """Take the lease of `name` without waiting (the batch path): our token (compute), or None
-    when another node holds a live lease (wait for its value). Any store error means ours."""
+    when another node holds a live lease (wait for its value). `node` is our node's tag. Any
+    store error means ours."""
     lease = name + LEASE_SUFFIX
-    for put in (store.put_bytes, store.upsert_bytes):  # put; over an expired lease, upsert
-        mine = _token(timeout_s)
+    for put in (store.put_bytes, store.upsert_bytes):  # put; over a lease not worth waiting for, upsert
+        mine = _token(timeout_s, node)
         if not put(lease, mine):
             return mine
         held = _read(store, lease)
         if held is None or held == mine:
             return mine
-        if time.time() < _deadline(held):
+        if _waits(held, node):
             return None
     return None
 

@@ -69,32 +69,32 @@ class SchedulerSide:
     def ensure(self, request: Any, num_computed_tokens: int) -> bool:
         """True if every item of `request` still to encode is sealed, ours, or now reserved by
         us; False (nothing held for it) if another process, or another node, computes one of
-        them. The node misses are claimed in one call, which with a remote store configured pulls
-        those the store has (one batch; the item is then sealed on the node and loaded) and takes
-        the cross-node lease of the rest."""
-        todo: list[str] = []
+        them. The node misses (each distinct item once) are claimed in one call, which with a
+        remote store configured pulls those the store has (one batch; the item is then sealed on
+        the node, and held for this step like a `has_item` answer) and takes the cross-node lease
+        of the rest."""
+        todo: dict[str, None] = {}  # the distinct items to claim, in order
         for feature in request.mm_features:
             if feature.mm_position.offset + feature.mm_position.length <= num_computed_tokens:
                 continue
             identifier = feature.identifier
             self._modalities[identifier] = feature.modality
             if identifier not in self._reserved and not self._cache.contains(self.key(identifier)):
-                todo.append(identifier)
+                todo[identifier] = None
         if not todo:
             return True
-        claims = self._cache.try_reserve_many([self.key(identifier) for identifier in todo])
-        owned = {
-            identifier: res
-            for identifier, res in zip(todo, claims, strict=True)
-            if res is not None and res.owned
-        }
-        if any(res is None for res in claims):  # another computes one: wait for its seal, holding nothing
-            for res in owned.values():
-                res.withdraw()
+        claims = dict(zip(todo, self._cache.try_reserve_many([self.key(i) for i in todo]), strict=True))
+        owned = {identifier: res for identifier, res in claims.items() if res is not None and res.owned}
+        if any(res is None for res in claims.values()):  # another computes one: wait, holding nothing
+            for mine in owned.values():
+                mine.withdraw()
             return False
-        for identifier, res in owned.items():  # the others were pulled: sealed on the node now
-            self._reserved[identifier] = res
+        for identifier, mine in owned.items():
+            self._reserved[identifier] = mine
             self._owners[identifier] = request.request_id
+        for identifier in claims:
+            if identifier not in owned:  # pulled from the store: held until this step's loads are planned
+                self.has_item(identifier)
         return True
 
     def after_alloc(self, request: Any, index: int) -> None:
