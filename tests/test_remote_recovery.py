@@ -8,15 +8,18 @@ import dataclasses
 import logging
 import os
 import signal
+import threading
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from shmcache import EmbeddingCache, destroy_namespace
 from shmcache.testing import MooncakeMaster
-from tests.helpers import wait_for
+from tests import workers
+from tests.helpers import spawn, wait_for
 from tests.test_remote import remote_config
 from tests.workers import expected_value, fingerprint, key_of
 
@@ -103,3 +106,41 @@ def test_a_master_down_at_open_is_picked_up_when_it_starts(shmcache_namespace: s
             wait_for(lambda: cache.stats()["remote_publishes"] >= 1, timeout=30, what="a publish")
     finally:
         master.kill()
+
+
+def test_a_pull_interrupted_in_one_process_lets_its_waiters_compute_not_fail(
+    shmcache_mooncake: MooncakeMaster, shmcache_namespace: str, tmp_path: Path
+) -> None:
+    """A process whose pull hangs on a stopped master is interrupted (SIGINT) while this process
+    waits on its node reservation: the reservation is given back unused, so the waiter reserves
+    and computes the value; it is not told that a compute failed (`ComputeFailed`)."""
+    config = remote_config(shmcache_namespace, shmcache_mooncake.address, remote_timeout_s=30.0)
+    go, out = tmp_path / "go", tmp_path / "out"
+    master = shmcache_mooncake.process.pid
+    with EmbeddingCache(config) as cache:
+        puller = spawn(workers.get_or_compute_until_interrupted, config, "k", str(go), str(out))
+        wait_for(Path(f"{go}.ready").exists, what="the puller's cache (connected to the master)")
+        os.kill(master, signal.SIGSTOP)  # the puller's size lookup will wait on it
+        try:
+            go.touch()
+            wait_for(lambda: cache.stats()["reserved"] == 1, what="the puller's reservation")
+
+            def interrupt_then_wake() -> None:
+                time.sleep(0.5)  # mid-way through this process's first 1 s wait on the reservation
+                assert puller.pid is not None
+                os.kill(puller.pid, signal.SIGINT)
+                wait_for(out.exists, what="the puller's interruption")
+                os.kill(master, signal.SIGCONT)
+
+            waker = threading.Thread(target=interrupt_then_wake)
+            waker.start()
+            value = cache.get_or_compute(key_of("k"), lambda: expected_value("k"))
+            waker.join()
+        finally:
+            os.kill(master, signal.SIGCONT)
+        assert out.read_text() == "interrupted"
+        assert fingerprint(value) == fingerprint(expected_value("k"))
+        assert cache.stats()["computes"] == 1  # this process computed it, after the withdraw
+        del value
+        puller.join(60)
+        assert puller.exitcode == 0

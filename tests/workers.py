@@ -253,3 +253,20 @@ def reserve_then_wait(config: CacheConfig, name: str, batch: bool, ready: str) -
     assert res is not None and res.owned
     Path(ready).touch()
     time.sleep(3600)
+
+
+def get_or_compute_until_interrupted(config: CacheConfig, name: str, go: str, out: str) -> None:
+    """Open the cache (file `go + ".ready"`), then at the file `go` get_or_compute `name`; a
+    KeyboardInterrupt (SIGINT) in the middle, say while its pull hangs on a stopped store, is
+    reported in the file `out`."""
+    with EmbeddingCache(config) as cache:
+        Path(go + ".ready").touch()
+        while not Path(go).exists():
+            time.sleep(0.01)
+        try:
+            cache.get_or_compute(key_of(name), lambda: expected_value(name))
+            how = "returned"
+        except KeyboardInterrupt:
+            how = "interrupted"
+        Path(out + ".tmp").write_text(how)
+        os.rename(out + ".tmp", out)

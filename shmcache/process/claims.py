@@ -155,9 +155,9 @@ class Claims:
             return res
         try:
             pulled = self.bridge.pull_or_lease(res)
-        except BaseException:
+        except BaseException:  # given back unused: a waiter looks again (no failure to report)
             if not self.bridge.keeps(res):
-                res.abandon("pulling from the remote store failed")
+                res.withdraw()
             raise
         if pulled is LOOK_AGAIN:
             return None
