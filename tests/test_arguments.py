@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -47,6 +49,12 @@ def test_bad_arguments_are_typed_errors_and_change_nothing(
             cache.get_or_compute(fresh, torch.ones(8))  # type: ignore[arg-type]
         with pytest.raises(ArgumentTypeError, match="ReservationTicket"):
             cache.adopt({"slot": 0}, fresh)  # type: ignore[arg-type]
+        res = cache.try_reserve(fresh)
+        assert res is not None and res.owned
+        forged = dataclasses.replace(res.hand_over(), lease=("name", "token"))  # a tuple, a str token
+        with pytest.raises(ArgumentTypeError, match="lease must be a Lease"):
+            cache.adopt(forged, fresh)
+        res.abandon("not adopted")  # the hand-over ends here: nothing was adopted
         cache.flush_releases()
         stats = cache.stats()
         assert (stats["references"], stats["reserved"], stats["entries"]) == (0, 0, 1)

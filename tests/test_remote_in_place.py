@@ -4,12 +4,14 @@ the late transfer completes)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing as mp
 import os
 import signal
 import time
 import tracemalloc
+from collections.abc import Iterator
 from typing import Any
 
 from shmcache import CacheConfig, EmbeddingCache
@@ -29,6 +31,33 @@ def publisher(config: CacheConfig, name: str, ready: Any, done: Any) -> None:
             time.sleep(0.01)
         ready.set()
         done.wait(120)
+
+
+@contextlib.contextmanager
+def stopped_publisher(master: str, node_a: str, node_b: str) -> Iterator[tuple[CacheConfig, int]]:
+    """Node A publishes "shared" (4 MiB) and is SIGSTOPped: its segment serves nothing, so a pull
+    of it hangs mid-transfer. Yields (node B's config, room for 3 entries and a 1 s remote
+    timeout; node A's pid, to SIGCONT it); node A is resumed and stopped afterwards."""
+    config_a = remote_config(node_a, master)
+    nbytes = 2 * SIZE + 4096  # an entry of SIZE bf16 elements, with its header
+    config_b = dataclasses.replace(
+        config_a, namespace=node_b, capacity_bytes=3 * nbytes, remote_timeout_s=1.0
+    )
+    ctx = mp.get_context("spawn")
+    ready, done = ctx.Event(), ctx.Event()
+    proc = spawn(publisher, config_a, "shared", ready, done)
+    try:
+        assert ready.wait(60), "node A did not publish"
+        assert proc.pid is not None
+        os.kill(proc.pid, signal.SIGSTOP)
+        yield config_b, proc.pid
+    finally:
+        if proc.pid is not None:
+            os.kill(proc.pid, signal.SIGCONT)  # first: a stopped process would hold up `done.set()`
+        done.set()
+        proc.join(30)
+        if proc.is_alive():
+            kill(proc)
 
 
 def test_a_pull_lands_in_node_memory_without_a_staging_copy(
@@ -54,18 +83,10 @@ def test_a_pull_lands_in_node_memory_without_a_staging_copy(
 def test_a_transfer_that_hangs_sets_its_memory_aside_until_it_ends(
     shmcache_mooncake: MooncakeMaster, shmcache_namespace: str, other_namespace: str
 ) -> None:
-    node_a = remote_config(shmcache_namespace, shmcache_mooncake.address)
-    nbytes = 2 * SIZE + 4096  # an entry of SIZE bf16 elements, with its header
-    node_b = dataclasses.replace(
-        node_a, namespace=other_namespace, capacity_bytes=3 * nbytes, remote_timeout_s=1.0
-    )
-    ctx = mp.get_context("spawn")
-    ready, done = ctx.Event(), ctx.Event()
-    proc = spawn(publisher, node_a, "shared", ready, done)
-    try:
-        assert ready.wait(60), "node A did not publish"
-        assert proc.pid is not None
-        os.kill(proc.pid, signal.SIGSTOP)  # its segment serves nothing now: a pull hangs mid-transfer
+    with stopped_publisher(shmcache_mooncake.address, shmcache_namespace, other_namespace) as (
+        node_b,
+        node_a,
+    ):
         reader_config = dataclasses.replace(node_b, remote_master=None)
         with EmbeddingCache(node_b) as b, EmbeddingCache(reader_config) as reader:
             value = b.get_or_compute(key_of("shared"), lambda: expected_value("shared", SIZE))
@@ -77,7 +98,7 @@ def test_a_transfer_that_hangs_sets_its_memory_aside_until_it_ends(
             for name in fillers:  # they evict each other, never the memory set aside (first fit: 0)
                 b.put(key_of(name), expected_value(name, SIZE))
             assert b.stats()["stale"] == 1  # the memory set aside
-            os.kill(proc.pid, signal.SIGCONT)  # the transfer goes on, into the memory set aside
+            os.kill(node_a, signal.SIGCONT)  # the transfer goes on, into the memory set aside
             wait_for(lambda: b.stats()["stale"] == 0, timeout=60, what="the late transfer's end")
             b.close()  # freed when the transfer completed, not only at the detach
             present = [name for name in fillers if reader.get(key_of(name)) is not None]
@@ -88,13 +109,6 @@ def test_a_transfer_that_hangs_sets_its_memory_aside_until_it_ends(
             held = [reader.get_or_compute(key_of(n), lambda n=n: expected_value(n, SIZE)) for n in "xyz"]
             assert reader.stats()["uncacheable"] == 0  # all 3 fit: the memory set aside is free again
             del held
-    finally:
-        done.set()
-        if proc.pid is not None:
-            os.kill(proc.pid, signal.SIGCONT)
-        proc.join(30)
-        if proc.is_alive():
-            kill(proc)
 
 
 def set_aside_and_stay(config: CacheConfig, name: str, ready: Any) -> None:
@@ -111,42 +125,26 @@ def set_aside_and_stay(config: CacheConfig, name: str, ready: Any) -> None:
 def test_memory_set_aside_by_a_process_that_dies_comes_back_to_the_node(
     shmcache_mooncake: MooncakeMaster, shmcache_namespace: str, other_namespace: str
 ) -> None:
-    node_a = remote_config(shmcache_namespace, shmcache_mooncake.address)
-    nbytes = 2 * SIZE + 4096
-    node_b = dataclasses.replace(
-        node_a, namespace=other_namespace, capacity_bytes=3 * nbytes, remote_timeout_s=1.0
-    )
-    ctx = mp.get_context("spawn")
-    ready, done, victim_ready = ctx.Event(), ctx.Event(), ctx.Event()
-    proc = spawn(publisher, node_a, "shared", ready, done)
-    victim = None
-    try:
-        assert ready.wait(60), "node A did not publish"
-        assert proc.pid is not None
-        os.kill(proc.pid, signal.SIGSTOP)  # a pull from it hangs mid-transfer
-        with EmbeddingCache(dataclasses.replace(node_b, remote_master=None)) as survivor:
-            victim = spawn(set_aside_and_stay, node_b, "shared", victim_ready)
+    victim_ready = mp.get_context("spawn").Event()
+    with (
+        stopped_publisher(shmcache_mooncake.address, shmcache_namespace, other_namespace) as (node_b, _),
+        EmbeddingCache(dataclasses.replace(node_b, remote_master=None)) as survivor,
+    ):
+        victim = spawn(set_aside_and_stay, node_b, "shared", victim_ready)
+        try:
             assert victim_ready.wait(60), "the victim did not set its pull's memory aside"
             assert survivor.stats()["stale"] == 1  # the memory set aside, pinned by the victim
+        finally:
             kill(victim)  # its transfer died with it: nothing can write that memory any more
-            survivor.gc()  # reaps the dead client: its pin no longer counts
-            stats = survivor.stats()
-            assert stats["stale"] == 0 and stats["references"] == 0 and stats["clients"] == 1, stats
-            shared = survivor.get(key_of("shared"))  # what the victim computed stays served
-            assert fingerprint(shared) == fingerprint(expected_value("shared", SIZE))
-            del shared
-            survivor.flush_releases()
-            held = [survivor.get_or_compute(key_of(n), lambda n=n: expected_value(n, SIZE)) for n in "xyz"]
-            assert survivor.stats()["uncacheable"] == 0  # all 3 fit: the memory set aside is free again
-            for n, value in zip("xyz", held, strict=True):
-                assert fingerprint(value) == fingerprint(expected_value(n, SIZE))
-            del held, value
-    finally:
-        if victim is not None and victim.is_alive():
-            kill(victim)
-        if proc.pid is not None:
-            os.kill(proc.pid, signal.SIGCONT)  # first: a stopped process would hold up `done.set()`
-        done.set()
-        proc.join(30)
-        if proc.is_alive():
-            kill(proc)
+        survivor.gc()  # reaps the dead client: its pin no longer counts
+        stats = survivor.stats()
+        assert stats["stale"] == 0 and stats["references"] == 0 and stats["clients"] == 1, stats
+        shared = survivor.get(key_of("shared"))  # what the victim computed stays served
+        assert fingerprint(shared) == fingerprint(expected_value("shared", SIZE))
+        del shared
+        survivor.flush_releases()
+        held = [survivor.get_or_compute(key_of(n), lambda n=n: expected_value(n, SIZE)) for n in "xyz"]
+        assert survivor.stats()["uncacheable"] == 0  # all 3 fit: the memory set aside is free again
+        for n, value in zip("xyz", held, strict=True):
+            assert fingerprint(value) == fingerprint(expected_value(n, SIZE))
+        del held, value

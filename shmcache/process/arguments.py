@@ -8,6 +8,7 @@ from shmcache.errors import ArgumentTypeError, InvalidKey, RequestIdTypeError
 from shmcache.keys.key import EmbeddingCacheKey
 from shmcache.node.layout import needle_of
 from shmcache.process.reservation import ReservationTicket
+from shmcache.remote.lease import Lease
 
 __all__ = ["check_callable", "check_keys", "check_request", "check_ticket", "needle"]
 
@@ -27,9 +28,14 @@ def check_callable(name: str, function: Any) -> None:
 
 
 def check_ticket(ticket: Any) -> None:
-    """`ArgumentTypeError` unless `ticket` is a `ReservationTicket`."""
+    """`ArgumentTypeError` unless `ticket` is a `ReservationTicket` (whose lease, if any, is a `Lease`)."""
     if not isinstance(ticket, ReservationTicket):
         raise ArgumentTypeError(f"ticket must be a ReservationTicket, got {type(ticket).__name__}")
+    lease = ticket.lease
+    if lease is not None and not (
+        isinstance(lease, Lease) and isinstance(lease.name, str) and isinstance(lease.token, bytes)
+    ):
+        raise ArgumentTypeError(f"a ticket's lease must be a Lease(name: str, token: bytes), got {lease!r}")
 
 
 def check_keys(keys: Any) -> None:
