@@ -16,7 +16,7 @@ import torch
 from shmcache import ConfigTypeError, EmbeddingCacheKey, EncoderPreprocessingConfig, InvalidConfig, InvalidKey
 from shmcache.errors import KeyTypeError, ShmCacheError, UnsupportedValue
 from shmcache.keys.framing import frame
-from shmcache.keys.key import HASH_ALGORITHMS, MODALITIES
+from shmcache.keys.key import HASH_ALGORITHMS, MODALITIES, RECORD_SIZE
 from shmcache.testing import sample_preprocessing
 
 
@@ -234,6 +234,19 @@ def test_keys_compare_hash_pickle_and_are_immutable(pconfig: EncoderPreprocessin
     assert k.hex == k.digest.hex() and len(k.hex) == 32
     with pytest.raises(AttributeError):
         k._digest = b"0" * 16  # type: ignore[misc]
+
+
+def test_a_key_record_is_its_algorithm_length_and_padded_digest(pconfig: EncoderPreprocessingConfig) -> None:
+    for index, algorithm in enumerate(HASH_ALGORITHMS):
+        k = EmbeddingCacheKey.from_raw_bytes(b"x", pconfig, modality="image", algorithm=algorithm)  # type: ignore[arg-type]
+        record = k.record
+        assert len(record) == RECORD_SIZE == 48 and record is k.record  # made once
+        assert record[:2] == bytes([index, len(k.digest)]) and record[2:16] == bytes(14)
+        assert record[16:] == k.digest.ljust(32, b"\0")
+        restored = pickle.loads(pickle.dumps(k))
+        assert restored.record == record  # made again after unpickling, the same
+    with pytest.raises(AttributeError):
+        k._record = bytes(48)  # type: ignore[misc]
 
 
 def test_preprocessing_config_validation() -> None:

@@ -31,7 +31,7 @@ from typing import Final
 import numpy as np
 
 from shmcache.errors import CorruptSegment
-from shmcache.keys.key import HASH_ALGORITHMS, KEY_KINDS, MODALITIES, EmbeddingCacheKey
+from shmcache.keys.key import KEY_KINDS, MODALITIES, RECORD_HEAD, RECORD_SIZE, EmbeddingCacheKey
 from shmcache.node import _native
 
 __all__ = [
@@ -159,10 +159,10 @@ S_META: Final = 68  # modality u8, key kind u8: informational, for inspection
 META: Final = struct.Struct("<BB")
 assert S_CRC == 44 and S_LAST_ACCESS >= S_CRC + 4 and S_FAILURE + FAILURE.size <= S_META
 assert S_META + META.size <= SLOT_SIZE
-KEY_SIZE: Final = 48
-KEY_HEAD: Final = struct.Struct("<BB14x")  # algorithm, digest length; the digest follows at +16
-KEY_DIGEST: Final = 16
-assert KEY_HEAD.size == KEY_DIGEST
+KEY_SIZE: Final = RECORD_SIZE  # a key record (EmbeddingCacheKey.record)
+KEY_HEAD: Final = RECORD_HEAD  # algorithm, digest length
+KEY_DIGEST: Final = RECORD_HEAD.size  # the digest's offset in a key record
+assert KEY_SIZE == 48
 ERROR_SIZE: Final = 128
 ATTACHMENT_SIZE: Final = 192
 
@@ -177,9 +177,8 @@ SLOT_DTYPE: Final = np.dtype(
 
 
 def needle_of(key: EmbeddingCacheKey) -> bytes:
-    """The 48-byte key record that identifies `key` in the key table."""
-    digest = key.digest
-    return KEY_HEAD.pack(HASH_ALGORITHMS.index(key.algorithm), len(digest)) + digest.ljust(32, b"\0")
+    """The 48-byte key record that identifies `key` in the key table (made once per key)."""
+    return key.record
 
 
 def key_meta(key: EmbeddingCacheKey) -> tuple[int, int]:
