@@ -16,7 +16,7 @@ import torch
 
 from shmcache import CacheConfig, EmbeddingCache, EmbeddingCacheKey, ViewMutated
 from shmcache.testing import sample_preprocessing
-from tests.helpers import spawn
+from tests.helpers import spawn, wait_for
 
 ONES = torch.ones(4096, dtype=torch.float32)  # 16 KiB: several pages, so a write copies one of many
 
@@ -117,3 +117,46 @@ def test_views_cost_no_file_descriptor(config: CacheConfig) -> None:
         views = [cache.get(k) for k in keys]
         assert len(os.listdir("/proc/self/fd")) == before
         assert all((v == np.arange(8)).all() for v in views)
+
+
+def read_many(config: CacheConfig, names: list[str], results: Any) -> None:
+    """Another process: report whether each entry reads as stored (entry i holds i + 1)."""
+    with EmbeddingCache(config) as cache:
+        values = cache.get_many([_key(name) for name in names])
+        results.put([bool((v == i + 1).all()) for i, v in enumerate(values)])
+
+
+def test_get_many_maps_a_batch_once_and_each_view_stays_its_own(config: CacheConfig) -> None:
+    """`get_many`'s views share one copy-on-write mapping; a write through one of them reaches
+    neither its neighbours, nor the same entry asked for twice, nor the node's copy; each view's
+    death gives its own pin back while the others live; the mapping goes with the last one."""
+    path = f"/dev/shm/shmcache.{os.geteuid()}.{config.namespace}.arena"
+    names = [f"batch-{i}" for i in range(16)]
+    with EmbeddingCache(config) as cache:
+        for i, name in enumerate(names):
+            cache.put(_key(name), torch.full((4096,), float(i + 1)))
+        node, before = cache._node, _mappings(path)
+        values = cache.get_many([_key(name) for name in [*names, names[3]]])
+        assert _mappings(path) == before + 2  # one for the batch, one for the entry asked for twice
+        values[3].add_(100)  # torch tensors are writable: the write is this mapping's own
+        assert float(values[3][0]) == 104.0 and float(values[16][0]) == 4.0  # the twin is its own
+        assert all(bool((v == i + 1).all()) for i, v in enumerate(values[:16]) if i != 3)
+        results = mp.get_context("spawn").Queue()
+        proc = spawn(read_many, config, names, results)
+        assert results.get(timeout=120) == [True] * 16
+        proc.join(30)
+        pinned = dict(node.pins.held())
+        assert len(pinned) == 16 and sorted(pinned.values()) == [1] * 15 + [2]
+        written = values.pop(3)
+        del written
+        gc.collect()
+        wait_for(lambda: sorted(node.pins.held().values()) == [1] * 16, what="the written view's pin")
+        assert _mappings(path) == before + 2 and float(values[15][0]) == 4.0
+        del values
+        gc.collect()
+        wait_for(lambda: node.pins.held() == {}, what="every pin back")
+        assert _mappings(path) == before
+        assert [float(v[0]) for v in cache.get_many([_key(name) for name in names])] == [
+            float(i + 1) for i in range(16)
+        ]
+        assert cache.stats()["corrupt_records"] == 0

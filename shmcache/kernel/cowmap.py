@@ -9,6 +9,13 @@ whole arena) is what makes that exact: a long-lived private mapping would keep a
 after the bytes around it were freed and reused by another entry, and then show stale bytes of
 that entry. The mapping is unmapped when the returned array and every array derived from it die.
 
+A batch of views (`view_many`, for `get_many`) shares one mapping per run of nearby extents: the
+mapping is then unmapped when the last view of its run dies, and each view's death is reported
+on its own. That is still exact: each view exposes only its own entry's bytes (an entry asked for
+twice gets two mappings), the pages of a run that no live view exposes are never read again, and
+a written page shared by two neighbouring entries was copied with the neighbour's bytes as they
+are (sealed entries do not change).
+
 The mapping is made by a small C extension (`map_private` in mapping.c, next to this module): an
 object that exports the bytes as a buffer and unmaps them when it dies, so a view costs one mmap
 system call and one numpy array over that object (and Python's `mmap.mmap` would duplicate the
@@ -51,13 +58,19 @@ class CowMapper:
         mapping = _mapping.map_private(self.fd, offset, size)
         return np.frombuffer(cast(bytes, mapping), dtype=np.uint8)  # any buffer works; numpy's stub lists few
 
+    def view_many(self, extents: list[tuple[int, int]]) -> list[np.ndarray[Any, np.dtype[np.uint8]]]:
+        """`view` of each (offset, size), in order, in one call: nearby extents share a mapping
+        (one system call per run of them); each array reports its own death to `on_death`."""
+        mappings = _mapping.map_private_many(self.fd, [o for o, _ in extents], [n for _, n in extents])
+        return [np.frombuffer(cast(bytes, mapping), dtype=np.uint8) for mapping in mappings]
+
     @staticmethod
     def on_death(view: np.ndarray[Any, np.dtype[np.uint8]], callback: Callable[[T], object], arg: T) -> None:
-        """Call `callback(arg)` once, right after the mapping under `view` (made by `view()`) is
-        unmapped: when `view` and everything derived from it are gone."""
+        """Call `callback(arg)` once, right after the bytes under `view` (made by `view()` or
+        `view_many()`) became unreachable: when `view` and everything derived from it are gone."""
         mapping = view.base
         if not isinstance(mapping, _mapping.Mapping):
-            raise TypeError("not a view made by CowMapper.view")
+            raise TypeError("not a view made by CowMapper.view or view_many")
         mapping.on_death(callback, arg)
 
     def close(self) -> None:

@@ -102,21 +102,25 @@ class Views:
     def lookup_many(
         self, keys: Sequence[EmbeddingCacheKey], needles: list[bytes], request_id: RequestId | None
     ) -> list[Value | None]:
-        """`lookup` of every key, in order: repeat hits first, the rest in one native lookup."""
+        """`lookup` of every key, in order: repeat hits first, the rest in one native lookup,
+        their views made in one call."""
         out = [self.repeat_hit(needle, key, request_id) for key, needle in zip(keys, needles, strict=True)]
         todo = [i for i, value in enumerate(out) if value is None]
-        node = self._node
-        found = node.lookups.lookup_many([needles[i] for i in todo], self.pins_for(request_id), node.release)
-        for n, (i, sealed) in enumerate(zip(todo, found, strict=True)):
-            if sealed is None:
-                node.count(Counter.MISSES)
-                continue
-            node.count(Counter.HITS_NODE)
+        node, pins = self._node, self.pins_for(request_id)
+        found = node.lookups.lookup_many([needles[i] for i in todo], pins, node.release)
+        hits = [(i, sealed) for i, sealed in zip(todo, found, strict=True) if sealed is not None]
+        node.count(Counter.MISSES, len(todo) - len(hits))
+        node.count(Counter.HITS_NODE, len(hits))
+        try:
+            holders = self._arena.view_many([(sealed.offset, sealed.size) for _, sealed in hits])
+        except BaseException:
+            node.release([(sealed.slot, sealed.gen) for _, sealed in hits for _ in range(pins)])
+            raise
+        for n, ((i, sealed), holder) in enumerate(zip(hits, holders, strict=True)):
             try:
-                out[i] = self.deliver(keys[i], needles[i], sealed, request_id)
+                out[i] = self.deliver(keys[i], needles[i], sealed, request_id, holder)
             except BaseException:  # the hits not yet delivered give their pins back
-                rest = [hit for hit in found[n + 1 :] if hit is not None]
-                node.release([(hit.slot, hit.gen) for hit in rest for _ in range(self.pins_for(request_id))])
+                node.release([(hit.slot, hit.gen) for _, hit in hits[n + 1 :] for _ in range(pins)])
                 raise
         return out
 
@@ -129,16 +133,23 @@ class Views:
         return True
 
     def deliver(
-        self, key: EmbeddingCacheKey, needle: bytes, sealed: SealedEntry, request_id: RequestId | None
+        self,
+        key: EmbeddingCacheKey,
+        needle: bytes,
+        sealed: SealedEntry,
+        request_id: RequestId | None,
+        holder: np.ndarray | None = None,
     ) -> Value | None:
-        """Turn an entry pinned `pins_for(request_id)` times into the returned value; None (pins
-        given back, entry dropped) if it fails verification."""
+        """Turn an entry pinned `pins_for(request_id)` times into the returned value (over
+        `holder`, its view made by `view_many`, or a view made here); None (pins given back,
+        entry dropped) if it fails verification."""
         node, slot, gen = self._node, sealed.slot, sealed.gen
         # a copy-on-write mapping of the entry (no write reaches the node's copy), made straight
         # as an array (not sliced from another), so that every array derived from it keeps it as
         # its base: its mapping's death then releases the view pin
         try:
-            holder = self._arena.view(sealed.offset, sealed.size)
+            if holder is None:
+                holder = self._arena.view(sealed.offset, sealed.size)
             value, parsed, aliased = self._build(key, holder, sealed)
         except CorruptValue as exc:
             node.count(Counter.CORRUPT_RECORDS)
