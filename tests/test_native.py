@@ -3,6 +3,7 @@ process's pin bookkeeping, and the hand-back to the locked Python path."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import random
@@ -14,7 +15,15 @@ import numpy as np
 import pytest
 import torch
 
-from shmcache import ArgumentTypeError, CacheClosed, CacheConfig, CapacityError, EmbeddingCache, InvalidKey
+from shmcache import (
+    ArgumentTypeError,
+    CacheClosed,
+    CacheConfig,
+    CapacityError,
+    EmbeddingCache,
+    InvalidKey,
+)
+from shmcache.errors import LockTimeout
 from shmcache.kernel.cowmap import CowMapper
 from shmcache.node.audit import audit
 from shmcache.node.crashpoints import CrashPoint
@@ -22,7 +31,7 @@ from shmcache.node.index import NodeIndex
 from shmcache.node.layout import needle_of
 from shmcache.testing import sample_cache_config
 from tests import workers
-from tests.helpers import spawn
+from tests.helpers import kill, spawn, wait_for
 from tests.workers import expected_value, key_of
 
 
@@ -223,3 +232,56 @@ def test_a_damaged_access_stamp_sorts_last_among_eviction_candidates(config: Cac
         reserved, order = node.native.evictable(time.monotonic())
         assert reserved == []
         assert order == [slots[name].slot for name in ("old", "new", "damaged")]  # type: ignore[union-attr]
+
+
+def test_a_held_stripe_lock_times_out_naming_its_holder(config: CacheConfig) -> None:
+    """Another thread holds the key's stripe section: a get waits (the GIL released: the holder
+    thread runs meanwhile) and gives up after lock_timeout_s with LockTimeout naming the holder's
+    pid; once the section is left, the get works."""
+    with EmbeddingCache(dataclasses.replace(config, lock_timeout_s=0.3)) as cache:
+        cache.put(key_of("a"), expected_value("a"))
+        node = node_of(cache)
+        inside, leave = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            with node.sections.stripe(node.stripe_of(key_of("a").record)):
+                inside.set()
+                leave.wait(30)
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        assert inside.wait(10)
+        started = time.monotonic()
+        with pytest.raises(LockTimeout, match=f"holder pid {os.getpid()}"):
+            cache.get(key_of("a"))
+        assert 0.3 <= time.monotonic() - started < 10
+        leave.set()
+        holder.join(10)
+        assert torch.equal(cache.get(key_of("a")), expected_value("a"))
+        assert cache.stats()["repairs"] == 0
+
+
+def test_a_get_waiting_on_a_killed_holders_lock_gets_it_at_once(config: CacheConfig, tmp_path: Path) -> None:
+    """A process SIGKILLed inside a stripe section while a get waits for that section: the kernel
+    hands the lock over (robust mutex, owner died), the get repairs the stripe and answers,
+    long before the lock timeout."""
+    with EmbeddingCache(dataclasses.replace(config, lock_timeout_s=60.0)) as cache:
+        cache.put(key_of("a"), expected_value("a"))
+        ready = tmp_path / "ready"
+        victim = spawn(workers.hold_stripe_section, config, "a", str(ready))
+        try:
+            wait_for(ready.exists, what="the victim inside the stripe section")
+            answers: list[object] = []
+            getter = threading.Thread(target=lambda: answers.append(cache.get(key_of("a"))))
+            getter.start()
+            time.sleep(0.3)
+            assert getter.is_alive() and not answers  # waiting for the lock
+            killed = time.monotonic()
+        finally:
+            kill(victim)
+        getter.join(30)
+        assert time.monotonic() - killed < 5 and not getter.is_alive()
+        assert isinstance(answers[0], torch.Tensor) and torch.equal(answers[0], expected_value("a"))
+        assert cache.stats()["repairs"] == 1
+        cache.gc()  # reaps the victim's client record
+        assert audit(node_of(cache)) == []

@@ -113,6 +113,16 @@ def hold_view_and_ref(config: CacheConfig, name: str, ready: str, request_id: st
     time.sleep(3600)
 
 
+def hold_stripe_section(config: CacheConfig, name: str, ready: str) -> None:
+    """Enter the stripe section of `name`'s entry (its lock held, its held marker set), then wait
+    inside it to be SIGKILLed."""
+    cache = EmbeddingCache(config)
+    node = cache._node
+    with node.sections.stripe(node.stripe_of(key_of(name).record)):
+        Path(ready).touch()
+        time.sleep(3600)
+
+
 def crash_at(config: CacheConfig, point: str) -> None:
     """Arm crash point `point`, then run a workload that passes every point of the table: attach
     (create, reap), put, a pinned get, cleanup, close. Returns only if `point` was never reached."""

@@ -34,6 +34,7 @@ from shmcache.node.layout import CLIENT_HEAD, H_READY, HEADER_SIZE, LAYOUT_VERSI
 __all__ = ["attached_process", "check_header", "judge", "namespace_set", "never_written", "signature_of"]
 
 _MAX_SIGNATURE = (1 << 30) - 1
+_PID_MAX_LIMIT = 1 << 22  # the kernel's largest pid: a held marker holds 0 or a pid
 
 
 def never_written(index: mmap.mmap | bytes) -> bool:
@@ -60,7 +61,7 @@ def check_header(header: Header, size: int, where: str) -> None:
         problems.append(f"algorithm={header.algorithm} ttl={header.ttl!r}")
     if header.mode & 0o777 != header.mode or header.mode & 0o600 != 0o600:
         problems.append(f"mode={header.mode:#o}")
-    if header.node_held not in (0, 1) or not -1 <= header.journal_row < max(header.clients, 0):
+    if header.node_held > _PID_MAX_LIMIT or not -1 <= header.journal_row < max(header.clients, 0):
         problems.append(f"node_held={header.node_held} journal_row={header.journal_row}")
     if not problems and header.layout.size != size:
         problems.append(f"its layout needs {header.layout.size} bytes, the segment has {size}")

@@ -191,6 +191,7 @@ def create(names: ObjectNames, config: CacheConfig) -> Segments:
         # semaphore set, named in the header right away (so a wiper finds and removes it), and the
         # slow arena reservation last; `ready` is set only when everything exists
         index = _map_new(names.index_path, layout.size, config.mode, created)
+        layout.init_locks(index)
         sems = _create_set(layout, config.mode)
         sig = secrets.randbelow((1 << 30) - 1) + 1
         sems.set_value(layout.signature_sem, sig & 0x7FFF)

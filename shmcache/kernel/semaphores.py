@@ -2,8 +2,9 @@
 
 Every "hold" is a +1 with SEM_UNDO, so the kernel undoes it when the holder dies, SIGKILL included.
 Waiters block in the kernel (wait-for-zero, `semtimedop`) with a timeout: no polling, and a seal,
-an abort or the holder's death wakes all of them at once. One set holds every lock, reservation and
-client-liveness semaphore of a namespace, so a namespace costs one kernel IPC object.
+an abort or the holder's death wakes all of them at once. One set holds every reservation and
+client-liveness semaphore of a namespace, so a namespace costs one kernel IPC object. (The short
+critical sections are robust mutexes in the index instead: node/native.c says why.)
 
 ctypes releases the GIL around each call, so other threads run while one waits.
 """
@@ -115,14 +116,9 @@ class SemaphoreSet:
         if _semctl(self.semid, index, _SETVAL, ctypes.c_int(value)) < 0:
             _raise_errno("semctl(SETVAL)")
 
-    def acquire(self, index: int, timeout: float | None) -> None:
-        """Atomically wait until the value is 0, then make it 1 (undone by the kernel at death)."""
-        if _semtimedop(self.semid, self._ops("try_acquire", index), 2, None) == 0:
-            return  # uncontended: one system call
-        self._op("acquire", index, 2, timeout)
-
     def try_acquire(self, index: int) -> bool:
-        """`acquire` without waiting: False if the value is not 0."""
+        """If the value is 0, make it 1 (undone by the kernel at death), atomically and without
+        waiting; False if it is not 0."""
         return self._nowait("try_acquire", index)
 
     def join(self, index: int) -> bool:
@@ -155,7 +151,6 @@ class SemaphoreSet:
         ops = self._prebuilt.get(key)
         if ops is None:
             spec = {
-                "acquire": ((index, 0, 0), (index, 1, _SEM_UNDO)),
                 "try_acquire": ((index, 0, _IPC_NOWAIT), (index, 1, _SEM_UNDO | _IPC_NOWAIT)),
                 "release": ((index, -1, _SEM_UNDO | _IPC_NOWAIT),),
                 # -1 then +2 as one operation: fails while the value is 0; net +1, undone at death

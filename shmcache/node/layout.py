@@ -5,7 +5,8 @@ Index segment (all little-endian)::
     header      4096 B       `Header` (magic, layout version, settings, semaphore-set id, node-lock
                              held marker, counter journal row), then retired counters, then the
                              counter journal
-    stripes     8 B x S      held marker u32, repairs u32
+    locks       64 B x (1+S) process-shared robust mutexes: the node lock, then one per stripe
+    stripes     8 B x S      held marker u32 (the holder's pid; 0: clean), repairs u32
     slots       80 B x N     `SlotRecord` (state, owner, gen, offset, size, sealed_at, refcount),
                              crc u32, last_access f64, failure record (gen u64, kind u32),
                              key meta (modality u8, key kind u8)
@@ -16,7 +17,7 @@ Index segment (all little-endian)::
     clients     (512 + 16 P) B x C   state u32, pid u32, start ticks u64, attached at f64, counters
                                      at +64, then P pins (slot i32, count u32, gen u64)
 
-Semaphore set: [node lock] [S stripe locks] [N reservations] [C client liveness] [2 signature].
+Semaphore set: [N reservations] [C client liveness] [2 signature].
 """
 
 from __future__ import annotations
@@ -51,8 +52,9 @@ __all__ = [
 IndexBuffer = mmap.mmap | bytearray  # a mapped index segment, or a private copy of one (snapshots)
 
 MAGIC: Final = b"SHMCIDX\x01"
-LAYOUT_VERSION: Final = 4
-NODE_LOCK: Final = 0  # semaphore index of the node lock
+LAYOUT_VERSION: Final = 5
+NODE_LOCK: Final = 0  # the node lock's index in the lock table (stripe s: 1 + s)
+LOCK_SIZE: Final = 64
 
 
 class Counter(enum.IntEnum):
@@ -196,7 +198,7 @@ assert C_COUNTERS + 8 * N_COUNTERS <= CLIENT_HEAD_SIZE and PIN_DTYPE.itemsize ==
 
 # native.c repeats the offsets it needs; they must be these
 assert (_native.SLOT_SIZE, _native.S_CRC, _native.S_LAST_ACCESS) == (SLOT_SIZE, S_CRC, S_LAST_ACCESS)
-assert (_native.KEY_SIZE, _native.STRIPE_SIZE) == (KEY_SIZE, STRIPE_SIZE)
+assert (_native.KEY_SIZE, _native.STRIPE_SIZE, _native.LOCK_SIZE) == (KEY_SIZE, STRIPE_SIZE, LOCK_SIZE)
 assert (ATTACHMENT_SIZE, PIN.size) == (_native.ATTACHMENT_SIZE, _native.PIN_SIZE)
 assert (_native.CLIENT_HEAD_SIZE, _native.C_COUNTERS) == (CLIENT_HEAD_SIZE, C_COUNTERS)
 assert _native.COUNTER_EVICTIONS_TTL == Counter.EVICTIONS_TTL
@@ -204,7 +206,7 @@ assert _native.COUNTER_EVICTIONS_TTL == Counter.EVICTIONS_TTL
 
 @dataclass(frozen=True)
 class Layout:
-    """Offsets of every table, and indices of every semaphore, for given sizes."""
+    """Offsets of every table, and indices of every lock and semaphore, for given sizes."""
 
     stripes: int
     ways: int
@@ -216,8 +218,12 @@ class Layout:
         return self.stripes * self.ways
 
     @cached_property
-    def stripes_off(self) -> int:
+    def locks_off(self) -> int:
         return HEADER_SIZE
+
+    @cached_property
+    def stripes_off(self) -> int:
+        return _align(self.locks_off + LOCK_SIZE * (1 + self.stripes))
 
     @cached_property
     def slots_off(self) -> int:
@@ -247,18 +253,18 @@ class Layout:
     def size(self) -> int:
         return _align(self.clients_off + self.client_size * self.clients, 4096)
 
-    def stripe_sem(self, stripe: int) -> int:
+    def stripe_lock(self, stripe: int) -> int:
         return 1 + stripe
 
     def slot_sem(self, slot: int) -> int:
-        return 1 + self.stripes + slot
+        return slot
 
     def client_sem(self, client: int) -> int:
-        return 1 + self.stripes + self.slots + client
+        return self.slots + client
 
     @cached_property
     def signature_sem(self) -> int:
-        return 1 + self.stripes + self.slots + self.clients
+        return self.slots + self.clients
 
     @cached_property
     def semaphores(self) -> int:
@@ -285,11 +291,15 @@ class Layout:
     def pin_off(self, client: int, pin: int) -> int:
         return self.client_off(client) + CLIENT_HEAD_SIZE + PIN.size * pin
 
-    def native(self, buf: IndexBuffer, semid: int, ttl: float | None, lock_timeout: float) -> _native.Index:
+    def init_locks(self, buf: IndexBuffer) -> None:
+        """Make the lock table's mutexes in a new index (before it is marked ready)."""
+        _native.init_locks(buf, self.locks_off, 1 + self.stripes)
+
+    def native(self, buf: IndexBuffer, ttl: float | None, lock_timeout: float) -> _native.Index:
         """The native handle (native.c) on the index mapped at `buf`, for these sizes."""
         return _native.Index(
             buffer=buf,
-            semid=semid,
+            locks_off=self.locks_off,
             stripes=self.stripes,
             ways=self.ways,
             clients=self.clients,

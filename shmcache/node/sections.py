@@ -1,10 +1,11 @@
 """Critical sections with held markers, and the repairs that run when a holder died inside one.
 
-A section is a SysV semaphore held with SEM_UNDO (the kernel releases it when the holder dies)
-plus a `held` marker in the index: set right after the semaphore is taken, cleared right before it
-is given back after a clean exit. Finding the marker set on entry means the previous holder died
-inside (or left by an exception): the entrant runs the section's repair first, which is
-idempotent and rebuilds only derived state, so it may itself be interrupted and run again.
+A section is a process-shared robust mutex in the index (the kernel hands it to the next locker
+when its holder dies: native.c, rule 1) plus a `held` marker: set to the holder's pid right after
+the mutex is taken, cleared right before it is given back after a clean exit. Finding the marker
+set on entry means the previous holder died inside (or left by an exception): the entrant runs the
+section's repair first, which is idempotent and rebuilds only derived state, so it may itself be
+interrupted and run again.
 
 - A stripe section guards the slot, key, failure and attachment records of one stripe's slots.
   Its repair (repair.py) re-checks every record of the stripe.
@@ -33,28 +34,28 @@ _U32: Final = struct.Struct("<I")
 class Section:
     """One held-marker critical section (a context manager; not reentrant)."""
 
-    __slots__ = ("_held_off", "_owner", "_point", "_repair", "_sem", "_what")
+    __slots__ = ("_held_off", "_lock", "_owner", "_point", "_repair", "_what")
 
     def __init__(
-        self, owner: Sections, sem: int, held_off: int, repair: Callable[[], None], point: CrashPoint
+        self, owner: Sections, lock: int, held_off: int, repair: Callable[[], None], point: CrashPoint
     ) -> None:
-        self._owner, self._sem, self._held_off, self._repair = owner, sem, held_off, repair
+        self._owner, self._lock, self._held_off, self._repair = owner, lock, held_off, repair
         self._point = point
         self._what = "the node lock" if point is CrashPoint.IN_NODE_SECTION else "a stripe lock"
 
     def __enter__(self) -> None:
         owner = self._owner
-        if owner.enter(self._sem, self._held_off, self._what):
+        if owner.enter(self._lock, self._held_off, self._what):
             try:
                 self._repair()
             except BaseException:
-                owner.leave(self._sem, self._held_off, clean=False)
+                owner.leave(self._lock, self._held_off, clean=False)
                 raise
         crashpoints.reached(self._point)
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         # CapacityError is only raised before a section writes anything: that exit is clean too
-        self._owner.leave(self._sem, self._held_off, clean=exc_type is None or exc_type is CapacityError)
+        self._owner.leave(self._lock, self._held_off, clean=exc_type is None or exc_type is CapacityError)
 
 
 class Sections:
@@ -77,7 +78,7 @@ class Sections:
         """Hold one stripe; repairs it first if its last holder died inside."""
         return Section(
             self,
-            self._layout.stripe_sem(stripe),
+            self._layout.stripe_lock(stripe),
             self._layout.stripe_off(stripe),
             lambda: self._repair_stripe(stripe),
             CrashPoint.IN_STRIPE_SECTION,
@@ -97,11 +98,11 @@ class Sections:
         off = self._layout.stripe_off(stripe) + 4
         self._idx[off : off + 4] = _U32.pack(_U32.unpack_from(self._idx, off)[0] + 1)
 
-    def enter(self, sem: int, held_off: int, what: str) -> bool:
-        """Take semaphore `sem` (`LockTimeout` after the lock timeout) and set its held marker;
+    def enter(self, lock: int, held_off: int, what: str) -> bool:
+        """Take lock `lock` (`LockTimeout` after the lock timeout) and set its held marker;
         True if the last holder died inside."""
-        return self._native.enter(sem, held_off, what)
+        return self._native.enter(lock, held_off, what)
 
-    def leave(self, sem: int, held_off: int, *, clean: bool) -> None:
+    def leave(self, lock: int, held_off: int, *, clean: bool) -> None:
         """Clear the held marker (only after a clean exit: else the next holder repairs) and release."""
-        self._native.leave(sem, held_off, clean)
+        self._native.leave(lock, held_off, clean)
