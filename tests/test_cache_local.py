@@ -357,11 +357,25 @@ def test_destroy_removes_the_namespace_under_attached_users(
     before = kernel_objects()
     user = EmbeddingCache(config)
     user.put(key(pconfig, "x"), torch.ones(1))
+    user.put(key(pconfig, "z"), torch.ones(2))
+    held = user.get(key(pconfig, "z"))
     admin = EmbeddingCache(config)
     admin.destroy()
     assert kernel_objects() == before
     with pytest.raises(CacheClosed):
         user.get_or_compute(key(pconfig, "y"), lambda: torch.ones(1))
+    # the hit path touches no kernel object: the index says it was destroyed
+    for call in (
+        lambda: user.get(key(pconfig, "x")),  # a node hit
+        lambda: user.get(key(pconfig, "z")),  # a repeat hit of a live view
+        lambda: user.get_many([key(pconfig, "x")]),
+        lambda: user.contains(key(pconfig, "x")),
+        lambda: user.contains_many([key(pconfig, "x")]),
+    ):
+        with pytest.raises(CacheClosed, match="destroyed"):
+            call()
+    assert torch.equal(held, torch.ones(2))  # a view taken before stays readable
+    del held
     user.close()
     assert kernel_objects() == before
 

@@ -66,3 +66,27 @@ def test_a_process_killed_at_each_crash_point(
         assert stats["puts"] == 2 + row.drops_an_entry
         assert row.evidence is None or stats[row.evidence.label] >= 1, stats
         assert stats["references"] == 0 and stats["clients"] == 1
+
+
+def test_a_retire_killed_while_another_waits_for_the_node_lock_is_replayed(
+    config: CacheConfig, tmp_path: Path
+) -> None:
+    """The kernel hands a dead holder's lock to the waiter a moment before it drops the dead
+    process's liveness (undone when its last thread is gone): the journal replay waits for that
+    instead of taking the row for a live client's (which dropped the journal as damage and
+    counted the dead process's counters twice)."""
+    with EmbeddingCache(config) as cache:
+        cache.put(key_of("s"), expected_value("s"))
+        ready = tmp_path / "ready"
+        victim = spawn(workers.die_retiring_while_another_waits, config, "v", str(ready))
+        try:
+            wait_for(ready.exists, what="the victim inside the node section")
+            cache.gc()  # waits for the node lock; gets it when the victim dies in its retire
+        finally:
+            kill(victim)
+        assert victim.exitcode == -9
+        cache.gc()
+        stats = cache.stats()
+        assert stats["corrupt_records"] == 0 and stats["repairs"] >= 1
+        assert stats["puts"] == 2 and stats["clients"] == 1  # the victim's put counted once
+        assert audit(cache._node) == []

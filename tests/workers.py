@@ -123,6 +123,22 @@ def hold_stripe_section(config: CacheConfig, name: str, ready: str) -> None:
         time.sleep(3600)
 
 
+def die_retiring_while_another_waits(config: CacheConfig, name: str, ready: str) -> None:
+    """Put `name`, then detach as `close` does but holding the node section 0.5 s before the
+    retire (`ready` touched inside), with crash point `retiring-client` armed: SIGKILLed in the
+    retire while another process waits for the node lock."""
+    from shmcache.node import crashpoints
+
+    cache = EmbeddingCache(config)
+    cache.put(key_of(name), expected_value(name))
+    node = cache._node
+    crashpoints.arm(crashpoints.CrashPoint.RETIRING_CLIENT)
+    with node.sections.node():
+        Path(ready).touch()
+        time.sleep(0.5)
+        node.counters.retire(node.client, node.clients.clear)
+
+
 def crash_at(config: CacheConfig, point: str) -> None:
     """Arm crash point `point`, then run a workload that passes every point of the table: attach
     (create, reap), put, a pinned get, cleanup, close. Returns only if `point` was never reached."""

@@ -41,7 +41,7 @@ from shmcache.kernel.semaphores import SemaphoreSet
 from shmcache.keys.key import HASH_ALGORITHMS
 from shmcache.node import crashpoints
 from shmcache.node.crashpoints import CrashPoint
-from shmcache.node.layout import H_READY, HEADER_SIZE, LAYOUT_VERSION, MAGIC, Header, Layout
+from shmcache.node.layout import DESTROYED, H_READY, HEADER_SIZE, LAYOUT_VERSION, MAGIC, Header, Layout
 
 __all__ = [
     "PREFIX",
@@ -306,6 +306,7 @@ def wipe(names: ObjectNames, mode: int | None = None) -> None:
         index_fd = open_verified(names.index_path, os.O_RDWR, expected, "index segment")
         arena_fd = open_verified(names.arena_path, os.O_RDWR, expected, "arena segment")
         sems = _set_to_remove(index_fd, expected)
+        _mark_destroyed(index_fd)
     finally:
         _close(index_fd)
         _close(arena_fd)
@@ -314,6 +315,18 @@ def wipe(names: ObjectNames, mode: int | None = None) -> None:
     for path in (names.index_path, names.arena_path):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
+
+
+def _mark_destroyed(index_fd: int | None) -> None:
+    """Mark a finished index destroyed, so that processes still attached get `CacheClosed` from
+    their next call (native.c checks `ready` on entry: the hit path touches no kernel object that
+    removing the namespace would take away)."""
+    index = _map(index_fd)
+    if index is None or len(index) < HEADER_SIZE:
+        return
+    with index:
+        if index[: len(MAGIC)] == MAGIC:
+            index[H_READY : H_READY + 4] = DESTROYED.to_bytes(4, "little")
 
 
 def _set_to_remove(index_fd: int | None, expected: Expected) -> SemaphoreSet | None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from shmcache.errors import SemaphoreTimeout
 from shmcache.kernel.semaphores import SemaphoreSet
 from shmcache.node.layout import CLIENT_HEAD, IndexBuffer, Layout
 
@@ -89,6 +90,16 @@ class ClientTable:
     def dead(self) -> list[int]:
         """Rows claimed by processes that died."""
         return [int(row) for row in np.nonzero(self.claimed() & ~self.live())[0]]
+
+    def gone_within(self, row: int, timeout: float) -> bool:
+        """Whether the process of `row` is gone, waiting up to `timeout` seconds for the kernel to
+        drop its liveness. A process killed holding a lock hands the lock on (robust mutex) a
+        moment before that: its semaphores are undone only when its last thread has exited."""
+        try:
+            self._sems.wait_zero(self._layout.client_sem(row), timeout)
+        except SemaphoreTimeout:
+            return False
+        return True
 
     def identity(self, row: int) -> ClientIdentity:
         _state, pid, ticks, _attached = CLIENT_HEAD.unpack_from(self._idx, self._layout.client_off(row))

@@ -73,7 +73,7 @@ CRASH_POINTS: tuple[CrashRow, ...] = (
     CrashRow(
         CrashPoint.IN_NODE_SECTION,
         "holding the node lock",
-        "the lock released by the kernel (SEM_UNDO), its held marker set",
+        "the lock handed on by the kernel (robust mutex, owner died), its held marker set",
         "the next holder replays the counter journal and reaps dead clients",
         evidence=Counter.REPAIRS,
     ),

@@ -101,7 +101,8 @@ N_COUNTERS: Final = len(Counter)
 # ---------------------------------------------------------------------------------------- header
 HEADER_SIZE: Final = 4096
 _HEADER: Final = struct.Struct("<8sIIIIIIQiIddIIiI")
-H_READY: Final = 12  # u32, set to 1 when every object of the namespace exists
+H_READY: Final = 12  # u32, set to 1 when every object of the namespace exists, DESTROYED once removed
+DESTROYED: Final = 2
 H_NODE_HELD: Final = 68  # u32, the node lock's held marker
 H_JOURNAL_ROW: Final = 72  # i32, the client row being retired, -1 when none
 H_RETIRED: Final = 128  # u64 x N_COUNTERS: counters of clients that left
@@ -202,6 +203,7 @@ assert (_native.KEY_SIZE, _native.STRIPE_SIZE, _native.LOCK_SIZE) == (KEY_SIZE, 
 assert (ATTACHMENT_SIZE, PIN.size) == (_native.ATTACHMENT_SIZE, _native.PIN_SIZE)
 assert (_native.CLIENT_HEAD_SIZE, _native.C_COUNTERS) == (CLIENT_HEAD_SIZE, C_COUNTERS)
 assert _native.COUNTER_EVICTIONS_TTL == Counter.EVICTIONS_TTL
+assert (_native.H_READY, _native.DESTROYED) == (H_READY, DESTROYED)
 
 
 @dataclass(frozen=True)

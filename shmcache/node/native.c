@@ -84,6 +84,8 @@
 #define KEY_SIZE 48
 #define STRIPE_SIZE 8
 #define LOCK_SIZE 64 /* one process-shared robust mutex, padded to a cache line */
+#define H_READY 12 /* the header's u32 `ready`: 1 ready, DESTROYED once destroy_namespace removed it */
+#define DESTROYED 2
 #define CLIENT_HEAD_SIZE 512
 #define C_COUNTERS 64
 #define PIN_SIZE 16
@@ -304,6 +306,9 @@ static int acquire(Index *ix, int lock, Py_ssize_t held_off, const char *what) {
     }
     if (rc == EOWNERDEAD) {
         rc = pthread_mutex_consistent(m);
+        if (rc != 0) {
+            pthread_mutex_unlock(m);
+        }
     }
     if (rc != 0) {
         lock_error(rc, what);
@@ -572,6 +577,20 @@ static int check_ready(Index *ix) {
     return 0;
 }
 
+/* check_ready, and `CacheClosed` if the namespace was destroyed under us (its objects are gone;
+ * this mapping outlives them): checked on entry by every call that reads or enters the index,
+ * never by leave (a section held is always given back). */
+static int check_live(Index *ix) {
+    if (check_ready(ix) < 0) {
+        return -1;
+    }
+    if (__atomic_load_n((uint32_t *)(ix->base + H_READY), __ATOMIC_RELAXED) == DESTROYED) {
+        PyErr_SetString(CacheClosed, "the namespace was destroyed");
+        return -1;
+    }
+    return 0;
+}
+
 static int check_slot(Index *ix, Py_ssize_t slot) {
     if (check_ready(ix) < 0) {
         return -1;
@@ -691,7 +710,7 @@ static PyObject *Index_lookup(Index *ix, PyObject *const *args, Py_ssize_t nargs
     const char *needle;
     uint32_t pins;
     if (usage_error(nargs, 2, "lookup(needle, pins)") < 0 || check_needle(args[0], &needle) < 0 ||
-        as_u32(args[1], &pins) < 0 || check_bound(ix) < 0) {
+        as_u32(args[1], &pins) < 0 || check_bound(ix) < 0 || check_live(ix) < 0) {
         return NULL;
     }
     return lookup_one(ix, needle, pins);
@@ -703,7 +722,7 @@ static PyObject *Index_lookup_many(Index *ix, PyObject *const *args, Py_ssize_t 
         return NULL;
     }
     uint32_t pins;
-    if (as_u32(args[1], &pins) < 0 || check_bound(ix) < 0) {
+    if (as_u32(args[1], &pins) < 0 || check_bound(ix) < 0 || check_live(ix) < 0) {
         return NULL;
     }
     /* our own references: the caller's list may change while a wait releases the GIL */
@@ -827,14 +846,14 @@ static PyObject *Index_find(Index *ix, PyObject *const *args, Py_ssize_t nargs) 
 
 static PyObject *Index_contains(Index *ix, PyObject *needle) {
     const char *bytes;
-    if (check_ready(ix) < 0 || check_needle(needle, &bytes) < 0) {
+    if (check_live(ix) < 0 || check_needle(needle, &bytes) < 0) {
         return NULL;
     }
     return contains_one(ix, bytes, monotonic_now());
 }
 
 static PyObject *Index_contains_many(Index *ix, PyObject *needles) {
-    if (check_ready(ix) < 0) {
+    if (check_live(ix) < 0) {
         return NULL;
     }
     if (!PyList_Check(needles)) {
@@ -953,7 +972,7 @@ static PyObject *Index_repeat_hit(Index *ix, PyObject *const *args, Py_ssize_t n
     Py_ssize_t slot;
     uint64_t gen;
     if (usage_error(nargs, 2, "repeat_hit(slot, gen)") < 0 || as_ssize(args[0], &slot) < 0 ||
-        as_u64(args[1], &gen) < 0 || check_slot(ix, slot) < 0) {
+        as_u64(args[1], &gen) < 0 || check_slot(ix, slot) < 0 || check_live(ix) < 0) {
         return NULL;
     }
     char *at = slot_at(ix, slot);
@@ -1173,7 +1192,7 @@ static PyObject *Index_enter(Index *ix, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t held_off;
     const char *what;
     if (usage_error(nargs, 3, "enter(lock, held_off, what)") < 0 || section_args(ix, args, &lock, &held_off) < 0 ||
-        (what = PyUnicode_AsUTF8(args[2])) == NULL) {
+        check_live(ix) < 0 || (what = PyUnicode_AsUTF8(args[2])) == NULL) {
         return NULL;
     }
     int died = enter(ix, lock, held_off, what);
@@ -1530,6 +1549,7 @@ PyMODINIT_FUNC PyInit__native(void) {
         PyModule_AddIntConstant(m, "KEY_SIZE", KEY_SIZE) < 0 ||
         PyModule_AddIntConstant(m, "STRIPE_SIZE", STRIPE_SIZE) < 0 ||
         PyModule_AddIntConstant(m, "LOCK_SIZE", LOCK_SIZE) < 0 ||
+        PyModule_AddIntConstant(m, "H_READY", H_READY) < 0 || PyModule_AddIntConstant(m, "DESTROYED", DESTROYED) < 0 ||
         PyModule_AddIntConstant(m, "CLIENT_HEAD_SIZE", CLIENT_HEAD_SIZE) < 0 ||
         PyModule_AddIntConstant(m, "C_COUNTERS", C_COUNTERS) < 0 ||
         PyModule_AddIntConstant(m, "PIN_SIZE", PIN_SIZE) < 0 ||

@@ -23,6 +23,10 @@ from shmcache.node.crashpoints import CrashPoint
 from shmcache.node.layout import Counter
 from shmcache.node.slots import SlotState
 
+# How long a repair waits for a process that died holding the node lock to be gone in the kernel
+# (its lock is handed on first): a journal row naming a client still alive after this is damage.
+DEATH_GRACE_S = 2.0
+
 if TYPE_CHECKING:
     from shmcache.node.index import NodeIndex
 
@@ -67,7 +71,9 @@ class Repairs:
     def node(self) -> None:
         """Finish a retire and reap the dead (the caller holds the node section)."""
         index = self._index
-        if not index.counters.replay(index.clients.clear, lambda row: not index.clients.live()[row]):
+        if not index.counters.replay(
+            index.clients.clear, lambda row: index.clients.gone_within(row, DEATH_GRACE_S)
+        ):
             index.counters.count(Counter.CORRUPT_RECORDS)  # a damaged journal row, dropped
         self.reap_dead()
         index.counters.count(Counter.REPAIRS)

@@ -108,13 +108,15 @@ class Views:
         todo = [i for i, value in enumerate(out) if value is None]
         node, pins = self._node, self.pins_for(request_id)
         found = node.lookups.lookup_many([needles[i] for i in todo], pins, node.release)
-        hits = [(i, sealed) for i, sealed in zip(todo, found, strict=True) if sealed is not None]
-        node.count(Counter.MISSES, len(todo) - len(hits))
-        node.count(Counter.HITS_NODE, len(hits))
-        try:
+        try:  # from here on every hit's pins are given back if anything fails
+            hits = [(i, sealed) for i, sealed in zip(todo, found, strict=True) if sealed is not None]
+            node.count(Counter.MISSES, len(todo) - len(hits))
+            node.count(Counter.HITS_NODE, len(hits))
             holders = self._arena.view_many([(sealed.offset, sealed.size) for _, sealed in hits])
         except BaseException:
-            node.release([(sealed.slot, sealed.gen) for _, sealed in hits for _ in range(pins)])
+            node.release(
+                [(sealed.slot, sealed.gen) for sealed in found if sealed is not None for _ in range(pins)]
+            )
             raise
         for n, ((i, sealed), holder) in enumerate(zip(hits, holders, strict=True)):
             try:
