@@ -85,21 +85,29 @@ def test_debug_mode_names_a_written_view_and_keeps_the_nodes_copy(config: CacheC
         assert cache.stats()["corrupt_records"] == 0
 
 
-def test_each_view_mapping_is_removed_with_its_last_array(config: CacheConfig) -> None:
+def test_a_dead_views_mapping_is_reset_and_reused_then_removed_at_detach(config: CacheConfig) -> None:
+    """A view's mapping lives while any array derived from it does; then it is reset (its written
+    pages dropped) and kept for the next view of the same entry, which reads the node's copy
+    through the same addresses; the detach unmaps it."""
     path = f"/dev/shm/shmcache.{os.geteuid()}.{config.namespace}.arena"
     cache = EmbeddingCache(config)
     cache.put(_key("tensor"), ONES)
     before = _mappings(path)
     view = cache.get(_key("tensor"))
     row = view[1:]  # derived: keeps the mapping alive
+    address = view.data_ptr()
     assert _mappings(path) == before + 1
-    cache.close()
     del view
     gc.collect()
-    assert torch.equal(row, ONES[1:]) and _mappings(path) == before + 1
+    row.add_(1)  # written: this mapping's own pages now
+    assert float(row[0]) == 2.0 and _mappings(path) == before + 1
     del row
     gc.collect()
-    assert _mappings(path) == before
+    again = cache.get(_key("tensor"))  # the same pages: the kept mapping, reset
+    assert again.data_ptr() == address and torch.equal(again, ONES) and _mappings(path) == before + 1
+    del again
+    cache.close()
+    wait_for(lambda: _mappings(path) == before, what="the kept mapping unmapped at detach")
 
 
 def _mappings(path: str) -> int:

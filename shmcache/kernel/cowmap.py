@@ -7,7 +7,10 @@ of it, so a consumer's in-place op changes what this mapping shows and nothing e
 copy, not another process, not another view. A mapping per view (not one private mapping of the
 whole arena) is what makes that exact: a long-lived private mapping would keep a written page
 after the bytes around it were freed and reused by another entry, and then show stale bytes of
-that entry. The mapping is unmapped when the returned array and every array derived from it die.
+that entry. When the returned array and every array derived from it die, the mapping is reset
+(`madvise(MADV_DONTNEED)` drops its written pages: they read the file again, as in a fresh
+mapping) and kept idle for the next view of the same pages, so a repeated get costs no `mmap`;
+the pool keeps at most 64 (address space, no memory) and unmaps them when it closes.
 
 A batch of views (`view_many`, for `get_many`) shares one mapping per run of nearby extents: the
 mapping is then unmapped when the last view of its run dies, and each view's death is reported
@@ -16,10 +19,10 @@ twice gets two mappings), the pages of a run that no live view exposes are never
 a written page shared by two neighbouring entries was copied with the neighbour's bytes as they
 are (sealed entries do not change).
 
-The mapping is made by a small C extension (`map_private` in mapping.c, next to this module): an
-object that exports the bytes as a buffer and unmaps them when it dies, so a view costs one mmap
-system call and one numpy array over that object (and Python's `mmap.mmap` would duplicate the
-file descriptor for each mapping: a descriptor per live view).
+The mappings are made by a small C extension (`Pool` in mapping.c, next to this module): an
+object that exports the bytes as a buffer and gives its mapping back when it dies, so a view costs
+at most one mmap system call and one numpy array over that object (and Python's `mmap.mmap` would
+duplicate the file descriptor for each mapping: a descriptor per live view).
 """
 
 from __future__ import annotations
@@ -43,25 +46,32 @@ class CowMapper:
 
     def __init__(self, fd: int) -> None:
         self._fd: int | None = fd
+        self._pool = _mapping.Pool(fd)
 
     @property
     def fd(self) -> int:
         """The file's descriptor (`CacheClosed` once closed)."""
+        self._open()
+        assert self._fd is not None
+        return self._fd
+
+    def _open(self) -> _mapping.Pool:
+        """The pool of mappings (`CacheClosed` once closed)."""
         if self._fd is None:
             raise CacheClosed("the arena's descriptor is closed: the cache detached")
-        return self._fd
+        return self._pool
 
     def view(self, offset: int, size: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
         """A writable uint8 array of `size` bytes at `offset`, over a private mapping of its pages;
-        the mapping is removed when the array (and everything derived from it) is gone.
-        `CapacityError` if the process cannot map more (vm.max_map_count, address space)."""
-        mapping = _mapping.map_private(self.fd, offset, size)
+        the mapping is reset and kept for reuse when the array (and everything derived from it) is
+        gone. `CapacityError` if the process cannot map more (vm.max_map_count, address space)."""
+        mapping = self._open().map(offset, size)
         return np.frombuffer(cast(bytes, mapping), dtype=np.uint8)  # any buffer works; numpy's stub lists few
 
     def view_many(self, extents: list[tuple[int, int]]) -> list[np.ndarray[Any, np.dtype[np.uint8]]]:
         """`view` of each (offset, size), in order, in one call: nearby extents share a mapping
         (one system call per run of them); each array reports its own death to `on_death`."""
-        mappings = _mapping.map_private_many(self.fd, [o for o, _ in extents], [n for _, n in extents])
+        mappings = self._open().map_many([o for o, _ in extents], [n for _, n in extents])
         return [np.frombuffer(cast(bytes, mapping), dtype=np.uint8) for mapping in mappings]
 
     @staticmethod
@@ -73,8 +83,13 @@ class CowMapper:
             raise TypeError("not a view made by CowMapper.view or view_many")
         mapping.on_death(callback, arg)
 
+    def idle(self) -> int:
+        """How many reset mappings wait for reuse."""
+        return self._pool.idle()
+
     def close(self) -> None:
-        """Close the descriptor; views made earlier stay valid."""
+        """Unmap the idle mappings and close the descriptor; views made earlier stay valid."""
         fd, self._fd = self._fd, None
+        self._pool.close()
         if fd is not None:
             os.close(fd)

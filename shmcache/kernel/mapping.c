@@ -1,8 +1,11 @@
 /* shmcache.kernel._mapping: copy-on-write views of a shared file (cowmap.py says why views have
- * private mappings): an object that exports the mapped bytes as a writable buffer and unmaps them
- * when it dies, so a view is one mmap system call and one array over that object. A batch of views
- * (`map_private_many`) shares one mapping per run of nearby extents: each view is then a window
- * object holding that mapping, which is unmapped when the last of its windows dies.
+ * private mappings). A Pool (one per arena file) makes them: a view is an object that exports the
+ * mapped bytes as a writable buffer. When it dies its mapping is not unmapped but reset and kept
+ * idle for the next view of the same pages: MADV_DONTNEED drops a private file mapping's written
+ * (copied) pages and page-table entries, so the pages read the file again, exactly as a fresh
+ * mapping would; one madvise at death instead of an munmap there and an mmap at the next view.
+ * A batch of views (`map_many`) shares one mapping per run of nearby extents: each view is then a
+ * window object holding that mapping, which is unmapped when the last of its windows dies.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -20,13 +23,32 @@ static PyObject *CapacityError;
  * end (the bytes between are mapped too, never exported: address space, not memory). */
 #define RUN_GAP_BYTES ((Py_ssize_t)1 << 20)
 
+/* Idle mappings a pool keeps (address space only: their pages were dropped). */
+#define IDLE_MAX 64
+
+typedef struct {
+    void *address;
+    size_t length;
+    Py_ssize_t from; /* the file offset of its first byte */
+} idle_t;
+
+/* The mappings of one file: makes views, keeps up to IDLE_MAX reset mappings for reuse. */
+typedef struct {
+    PyObject_HEAD
+    int fd; /* not owned (cowmap.CowMapper owns it); -1 once closed */
+    idle_t idle[IDLE_MAX]; /* oldest first */
+    int n_idle;
+} Pool;
+
 /* Bytes of a private (copy-on-write) mapping of a file's pages, exported as a writable buffer.
- * Either the owner of the mapping (`address`, `length`: unmapped when it dies) or a window into
- * one (`region`: the owner, kept alive by the window). */
+ * Either the owner of the mapping (`address`, `length`: given back to `pool` or unmapped when it
+ * dies) or a window into one (`region`: the owner, kept alive by the window). */
 typedef struct {
     PyObject_HEAD
     void *address; /* the mapping this object owns, NULL for a window */
     size_t length;
+    Py_ssize_t from; /* an owner's file offset */
+    Pool *pool; /* an owner that goes back to its pool when it dies, NULL: unmapped */
     PyObject *region; /* a window's owner, NULL for an owner */
     char *data; /* where the exported bytes begin */
     Py_ssize_t size;
@@ -37,10 +59,25 @@ static int Mapping_getbuffer(Mapping *m, Py_buffer *view, int flags) {
     return PyBuffer_FillInfo(view, (PyObject *)m, m->data, m->size, 0, flags);
 }
 
+/* Keep an owner's mapping idle in its pool (reset: its written pages dropped); 0 if it was kept. */
+static int keep_idle(Pool *pool, void *address, size_t length, Py_ssize_t from) {
+    if (pool->fd < 0 || madvise(address, length, MADV_DONTNEED) != 0) {
+        return -1;
+    }
+    if (pool->n_idle == IDLE_MAX) { /* the oldest goes */
+        munmap(pool->idle[0].address, pool->idle[0].length);
+        memmove(pool->idle, pool->idle + 1, sizeof(idle_t) * (IDLE_MAX - 1));
+        pool->n_idle--;
+    }
+    pool->idle[pool->n_idle++] = (idle_t){address, length, from};
+    return 0;
+}
+
 static void Mapping_dealloc(Mapping *m) {
-    if (m->address != NULL) {
+    if (m->address != NULL && (m->pool == NULL || keep_idle(m->pool, m->address, m->length, m->from) < 0)) {
         munmap(m->address, m->length);
     }
+    Py_CLEAR(m->pool);
     Py_CLEAR(m->region); /* a window: the owner unmaps when its last window is gone */
     if (m->on_death != NULL) { /* a deallocator may run with an exception set: keep it */
         PyObject *type, *value, *tb;
@@ -98,6 +135,8 @@ static Mapping *new_mapping(void *address, size_t length, PyObject *region, char
     }
     m->address = address;
     m->length = length;
+    m->from = 0;
+    m->pool = NULL;
     m->region = Py_XNewRef(region);
     m->data = data;
     m->size = size;
@@ -105,16 +144,27 @@ static Mapping *new_mapping(void *address, size_t length, PyObject *region, char
     return m;
 }
 
-/* An owner Mapping of the pages holding [start, end) of file `fd`; *first is the file offset of
- * its first byte. */
-static Mapping *map_pages(int fd, Py_ssize_t start, Py_ssize_t end, Py_ssize_t *first) {
+/* An owner Mapping of the pages holding [start, end) of the pool's file, an idle one of exactly
+ * those pages if the pool has it; given back to the pool when it dies if `keep`. */
+static Mapping *map_pages(Pool *pool, Py_ssize_t start, Py_ssize_t end, int keep) {
     long page = sysconf(_SC_PAGESIZE);
     Py_ssize_t from = start - start % page;
     size_t length = (size_t)((end - from + page - 1) / page * page);
     if (length == 0) {
         length = (size_t)page;
     }
-    void *address = mmap(NULL, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_NORESERVE, fd, from);
+    void *address = MAP_FAILED;
+    for (int i = pool->n_idle - 1; keep && i >= 0; i--) { /* the newest first */
+        if (pool->idle[i].from == from && pool->idle[i].length == length) {
+            address = pool->idle[i].address;
+            memmove(pool->idle + i, pool->idle + i + 1, sizeof(idle_t) * (size_t)(pool->n_idle - i - 1));
+            pool->n_idle--;
+            break;
+        }
+    }
+    if (address == MAP_FAILED) {
+        address = mmap(NULL, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_NORESERVE, pool->fd, from);
+    }
     if (address == MAP_FAILED) {
         if (errno == ENOMEM) { /* the process's mapping count (vm.max_map_count) or address space */
             PyErr_Format(CapacityError, "cannot map %zu bytes for a view: %s", length, strerror(errno));
@@ -126,8 +176,12 @@ static Mapping *map_pages(int fd, Py_ssize_t start, Py_ssize_t end, Py_ssize_t *
     Mapping *m = new_mapping(address, length, NULL, (char *)address + (start - from), end - start);
     if (m == NULL) {
         munmap(address, length);
+        return NULL;
     }
-    *first = from;
+    m->from = from;
+    if (keep) {
+        m->pool = (Pool *)Py_NewRef(pool);
+    }
     return m;
 }
 
@@ -160,17 +214,24 @@ static int as_extent(PyObject *offset_arg, PyObject *size_arg, Py_ssize_t *offse
     return 0;
 }
 
-static PyObject *map_private(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "map_private(fd, offset, size)");
+static int check_open(Pool *pool) {
+    if (pool->fd < 0) {
+        PyErr_SetString(PyExc_ValueError, "the pool is closed");
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *Pool_map(Pool *pool, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "map(offset, size)");
         return NULL;
     }
-    int fd;
-    Py_ssize_t offset, size, first;
-    if (as_fd(args[0], &fd) < 0 || as_extent(args[1], args[2], &offset, &size) < 0) {
+    Py_ssize_t offset, size;
+    if (check_open(pool) < 0 || as_extent(args[0], args[1], &offset, &size) < 0) {
         return NULL;
     }
-    return (PyObject *)map_pages(fd, offset, offset + size, &first);
+    return (PyObject *)map_pages(pool, offset, offset + size, 1);
 }
 
 typedef struct {
@@ -185,7 +246,7 @@ static int by_offset(const void *a, const void *b) {
 /* Windows for extents[0:n] (sorted by offset) into `out`, one mapping per run of nearby extents.
  * An extent that overlaps the run (the same entry asked for twice) starts a new run: two windows
  * of one mapping over the same bytes would see each other's writes. */
-static int map_runs(int fd, extent_t *extents, Py_ssize_t n, PyObject *out) {
+static int map_runs(Pool *pool, extent_t *extents, Py_ssize_t n, PyObject *out) {
     Py_ssize_t i = 0;
     while (i < n) {
         Py_ssize_t j = i + 1, end = extents[i].offset + extents[i].size;
@@ -194,13 +255,12 @@ static int map_runs(int fd, extent_t *extents, Py_ssize_t n, PyObject *out) {
             end = e > end ? e : end;
             j++;
         }
-        Py_ssize_t first;
-        Mapping *owner = map_pages(fd, extents[i].offset, end, &first);
+        Mapping *owner = map_pages(pool, extents[i].offset, end, 0);
         if (owner == NULL) {
             return -1;
         }
         for (; i < j; i++) {
-            char *data = (char *)owner->address + (extents[i].offset - first);
+            char *data = (char *)owner->address + (extents[i].offset - owner->from);
             Mapping *window = new_mapping(NULL, 0, (PyObject *)owner, data, extents[i].size);
             if (window == NULL) {
                 Py_DECREF(owner);
@@ -213,24 +273,23 @@ static int map_runs(int fd, extent_t *extents, Py_ssize_t n, PyObject *out) {
     return 0;
 }
 
-static PyObject *map_private_many(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3 || !PyList_Check(args[1]) || !PyList_Check(args[2]) ||
-        PyList_GET_SIZE(args[1]) != PyList_GET_SIZE(args[2])) {
-        PyErr_SetString(PyExc_TypeError, "map_private_many(fd, offsets, sizes): two lists of one length");
+static PyObject *Pool_map_many(Pool *pool, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || !PyList_Check(args[0]) || !PyList_Check(args[1]) ||
+        PyList_GET_SIZE(args[0]) != PyList_GET_SIZE(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "map_many(offsets, sizes): two lists of one length");
         return NULL;
     }
-    int fd;
-    if (as_fd(args[0], &fd) < 0) {
+    if (check_open(pool) < 0) {
         return NULL;
     }
-    Py_ssize_t n = PyList_GET_SIZE(args[1]);
+    Py_ssize_t n = PyList_GET_SIZE(args[0]);
     extent_t *extents = PyMem_Malloc(sizeof(extent_t) * (size_t)(n ? n : 1));
     if (extents == NULL) {
         return PyErr_NoMemory();
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         extents[i].index = i;
-        if (as_extent(PyList_GET_ITEM(args[1], i), PyList_GET_ITEM(args[2], i), &extents[i].offset,
+        if (as_extent(PyList_GET_ITEM(args[0], i), PyList_GET_ITEM(args[1], i), &extents[i].offset,
                       &extents[i].size) < 0) {
             PyMem_Free(extents);
             return NULL;
@@ -238,19 +297,69 @@ static PyObject *map_private_many(PyObject *Py_UNUSED(module), PyObject *const *
     }
     qsort(extents, (size_t)n, sizeof(extent_t), by_offset);
     PyObject *out = PyList_New(n); /* items NULL until set: a list dealloc skips them */
-    if (out != NULL && map_runs(fd, extents, n, out) < 0) {
+    if (out != NULL && map_runs(pool, extents, n, out) < 0) {
         Py_CLEAR(out);
     }
     PyMem_Free(extents);
     return out;
 }
 
-static PyMethodDef mapping_methods[] = {
-    {"map_private", (PyCFunction)(void (*)(void))map_private, METH_FASTCALL,
-     "map_private(fd, offset, size): a Mapping of those bytes of the file (copy-on-write)."},
-    {"map_private_many", (PyCFunction)(void (*)(void))map_private_many, METH_FASTCALL,
-     "map_private_many(fd, offsets, sizes): a Mapping per extent, in order; nearby extents share one "
+/* Unmap every idle mapping; views alive now are unmapped when they die. */
+static void drain(Pool *pool) {
+    for (int i = 0; i < pool->n_idle; i++) {
+        munmap(pool->idle[i].address, pool->idle[i].length);
+    }
+    pool->n_idle = 0;
+}
+
+static PyObject *Pool_close(Pool *pool, PyObject *Py_UNUSED(ignored)) {
+    drain(pool);
+    pool->fd = -1;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Pool_idle(Pool *pool, PyObject *Py_UNUSED(ignored)) { return PyLong_FromLong(pool->n_idle); }
+
+static int Pool_init(Pool *pool, PyObject *args, PyObject *kwds) {
+    PyObject *fd_arg;
+    static char *names[] = {"fd", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O", names, &fd_arg)) {
+        return -1;
+    }
+    drain(pool);
+    return as_fd(fd_arg, &pool->fd);
+}
+
+static void Pool_dealloc(Pool *pool) {
+    drain(pool);
+    Py_TYPE(pool)->tp_free((PyObject *)pool);
+}
+
+static PyMethodDef Pool_methods[] = {
+    {"map", (PyCFunction)(void (*)(void))Pool_map, METH_FASTCALL,
+     "map(offset, size): a Mapping of those bytes of the file (copy-on-write)."},
+    {"map_many", (PyCFunction)(void (*)(void))Pool_map_many, METH_FASTCALL,
+     "map_many(offsets, sizes): a Mapping per extent, in order; nearby extents share one "
      "copy-on-write mapping, unmapped when the last of them dies."},
+    {"close", (PyCFunction)Pool_close, METH_NOARGS,
+     "close(): unmap the idle mappings and make no more (views made earlier stay valid)."},
+    {"idle", (PyCFunction)Pool_idle, METH_NOARGS, "idle(): how many reset mappings wait for reuse."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject PoolType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "shmcache.kernel._mapping.Pool",
+    .tp_basicsize = sizeof(Pool),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Pool(fd): the copy-on-write views of one file, with reset mappings kept for reuse.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Pool_init,
+    .tp_dealloc = (destructor)Pool_dealloc,
+    .tp_methods = Pool_methods,
+};
+
+static PyMethodDef mapping_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
@@ -260,7 +369,7 @@ static struct PyModuleDef mapping_module = {
 };
 
 PyMODINIT_FUNC PyInit__mapping(void) {
-    if (PyType_Ready(&MappingType) < 0) {
+    if (PyType_Ready(&MappingType) < 0 || PyType_Ready(&PoolType) < 0) {
         return NULL;
     }
     PyObject *errors = PyImport_ImportModule("shmcache.errors");
@@ -273,7 +382,8 @@ PyMODINIT_FUNC PyInit__mapping(void) {
         return NULL;
     }
     PyObject *m = PyModule_Create(&mapping_module);
-    if (m != NULL && PyModule_AddObjectRef(m, "Mapping", (PyObject *)&MappingType) < 0) {
+    if (m != NULL && (PyModule_AddObjectRef(m, "Mapping", (PyObject *)&MappingType) < 0 ||
+                      PyModule_AddObjectRef(m, "Pool", (PyObject *)&PoolType) < 0)) {
         Py_DECREF(m);
         return NULL;
     }
