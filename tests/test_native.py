@@ -24,6 +24,7 @@ from shmcache import (
     InvalidKey,
 )
 from shmcache.errors import LockTimeout
+from shmcache.kernel import _mapping
 from shmcache.kernel.cowmap import CowMapper
 from shmcache.node.audit import audit
 from shmcache.node.crashpoints import CrashPoint
@@ -204,6 +205,26 @@ def test_a_views_mapping_reports_its_death_once_after_the_last_derived_array(tmp
     with pytest.raises(TypeError):
         mapper.on_death(np.zeros(4, dtype=np.uint8), calls.append, "not a view")
     mapper.close()
+
+
+def test_the_pool_keeps_at_most_64_dead_views_mappings_and_256_mib(tmp_path: Path) -> None:
+    fd = os.open(tmp_path / "arena", os.O_RDWR | os.O_CREAT)
+    os.ftruncate(fd, 300 << 20)  # sparse: nothing is written
+    mapper = CowMapper(fd)
+    views = [mapper.view(i << 16, 4096) for i in range(70)]
+    del views
+    gc.collect()
+    assert mapper.idle() == 64  # the oldest six were unmapped
+    large = mapper.view(0, 260 << 20)
+    del large
+    gc.collect()
+    assert mapper.idle() == 64  # too large to keep: unmapped
+    mapper.close()
+    assert mapper.idle() == 0
+    with pytest.raises(CacheClosed):
+        mapper.view(0, 4096)
+    with pytest.raises(RuntimeError, match="once"):
+        _mapping.Pool(3).__init__(4)  # type: ignore[misc]
 
 
 @pytest.mark.parametrize("enabled", [True, False])

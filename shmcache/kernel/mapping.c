@@ -4,6 +4,8 @@
  * idle for the next view of the same pages: MADV_DONTNEED drops a private file mapping's written
  * (copied) pages and page-table entries, so the pages read the file again, exactly as a fresh
  * mapping would; one madvise at death instead of an munmap there and an mmap at the next view.
+ * A pool keeps at most IDLE_MAX of them and IDLE_BYTES in all (the oldest go first, and all of
+ * them before an mmap gives up for lack of room).
  * A batch of views (`map_many`) shares one mapping per run of nearby extents: each view is then a
  * window object holding that mapping, which is unmapped when the last of its windows dies.
  */
@@ -23,8 +25,11 @@ static PyObject *CapacityError;
  * end (the bytes between are mapped too, never exported: address space, not memory). */
 #define RUN_GAP_BYTES ((Py_ssize_t)1 << 20)
 
-/* Idle mappings a pool keeps (address space only: their pages were dropped). */
+/* Idle mappings a pool keeps (their pages were dropped), and at most this many bytes of them:
+ * an idle mapping still counts towards vm.max_map_count and, under strict overcommit (where
+ * MAP_NORESERVE is ignored), towards the commit charge. */
 #define IDLE_MAX 64
+#define IDLE_BYTES ((size_t)256 << 20)
 
 typedef struct {
     void *address;
@@ -36,8 +41,10 @@ typedef struct {
 typedef struct {
     PyObject_HEAD
     int fd; /* not owned (cowmap.CowMapper owns it); -1 once closed */
+    int initialised; /* Pool(fd) ran: once */
     idle_t idle[IDLE_MAX]; /* oldest first */
     int n_idle;
+    size_t idle_bytes;
 } Pool;
 
 /* Bytes of a private (copy-on-write) mapping of a file's pages, exported as a writable buffer.
@@ -60,17 +67,30 @@ static int Mapping_getbuffer(Mapping *m, Py_buffer *view, int flags) {
 }
 
 /* Keep an owner's mapping idle in its pool (reset: its written pages dropped); 0 if it was kept. */
+static void drop_oldest(Pool *pool) {
+    munmap(pool->idle[0].address, pool->idle[0].length);
+    pool->idle_bytes -= pool->idle[0].length;
+    memmove(pool->idle, pool->idle + 1, sizeof(idle_t) * (size_t)(pool->n_idle - 1));
+    pool->n_idle--;
+}
+
 static int keep_idle(Pool *pool, void *address, size_t length, Py_ssize_t from) {
-    if (pool->fd < 0 || madvise(address, length, MADV_DONTNEED) != 0) {
+    if (pool->fd < 0 || length > IDLE_BYTES || madvise(address, length, MADV_DONTNEED) != 0) {
         return -1;
     }
-    if (pool->n_idle == IDLE_MAX) { /* the oldest goes */
-        munmap(pool->idle[0].address, pool->idle[0].length);
-        memmove(pool->idle, pool->idle + 1, sizeof(idle_t) * (IDLE_MAX - 1));
-        pool->n_idle--;
+    while (pool->n_idle > 0 && (pool->n_idle == IDLE_MAX || pool->idle_bytes + length > IDLE_BYTES)) {
+        drop_oldest(pool);
     }
     pool->idle[pool->n_idle++] = (idle_t){address, length, from};
+    pool->idle_bytes += length;
     return 0;
+}
+
+/* Unmap every idle mapping; views alive now are unmapped when they die. */
+static void drain(Pool *pool) {
+    while (pool->n_idle > 0) {
+        drop_oldest(pool);
+    }
 }
 
 static void Mapping_dealloc(Mapping *m) {
@@ -157,12 +177,17 @@ static Mapping *map_pages(Pool *pool, Py_ssize_t start, Py_ssize_t end, int keep
     for (int i = pool->n_idle - 1; keep && i >= 0; i--) { /* the newest first */
         if (pool->idle[i].from == from && pool->idle[i].length == length) {
             address = pool->idle[i].address;
+            pool->idle_bytes -= length;
             memmove(pool->idle + i, pool->idle + i + 1, sizeof(idle_t) * (size_t)(pool->n_idle - i - 1));
             pool->n_idle--;
             break;
         }
     }
     if (address == MAP_FAILED) {
+        address = mmap(NULL, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_NORESERVE, pool->fd, from);
+    }
+    if (address == MAP_FAILED && errno == ENOMEM && pool->n_idle > 0) { /* the idle ones go first */
+        drain(pool);
         address = mmap(NULL, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_NORESERVE, pool->fd, from);
     }
     if (address == MAP_FAILED) {
@@ -215,7 +240,7 @@ static int as_extent(PyObject *offset_arg, PyObject *size_arg, Py_ssize_t *offse
 }
 
 static int check_open(Pool *pool) {
-    if (pool->fd < 0) {
+    if (!pool->initialised || pool->fd < 0) {
         PyErr_SetString(PyExc_ValueError, "the pool is closed");
         return -1;
     }
@@ -304,14 +329,6 @@ static PyObject *Pool_map_many(Pool *pool, PyObject *const *args, Py_ssize_t nar
     return out;
 }
 
-/* Unmap every idle mapping; views alive now are unmapped when they die. */
-static void drain(Pool *pool) {
-    for (int i = 0; i < pool->n_idle; i++) {
-        munmap(pool->idle[i].address, pool->idle[i].length);
-    }
-    pool->n_idle = 0;
-}
-
 static PyObject *Pool_close(Pool *pool, PyObject *Py_UNUSED(ignored)) {
     drain(pool);
     pool->fd = -1;
@@ -326,8 +343,15 @@ static int Pool_init(Pool *pool, PyObject *args, PyObject *kwds) {
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "O", names, &fd_arg)) {
         return -1;
     }
-    drain(pool);
-    return as_fd(fd_arg, &pool->fd);
+    if (pool->initialised) {
+        PyErr_SetString(PyExc_RuntimeError, "a Pool is initialised once");
+        return -1;
+    }
+    if (as_fd(fd_arg, &pool->fd) < 0) {
+        return -1;
+    }
+    pool->initialised = 1;
+    return 0;
 }
 
 static void Pool_dealloc(Pool *pool) {

@@ -1,7 +1,8 @@
 """The release thread: view pins go back to the node when returned views are garbage collected.
 
 Every zero-copy view derives from one holder array per mapping; when the holder dies its mapping
-is unmapped and only enqueues its (slot, gen) (`CowMapper.on_death`). One daemon thread per cache
+is given back (reset, kept for reuse, or unmapped) and only enqueues its (slot, gen)
+(`CowMapper.on_death`). One daemon thread per cache
 wakes on the first item, pauses a few milliseconds so releases batch, waits for GPU work still
 reading released device aliases, then drops the pins in one node transaction. `flush` does the
 same at once in the calling thread.

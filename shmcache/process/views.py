@@ -1,7 +1,7 @@
 """Views: turning a pinned entry into the value returned to the caller, and repeat hits.
 
 Per process there is one live mapping per entry: a holder array made straight from the arena
-mapping (every returned array derives from it, so its mapping is unmapped only after the last
+mapping (every returned array derives from it, so its mapping is given back only after the last
 view dies, and then enqueues the release of the view pin) and the parsed value format. A repeat
 hit of the same key reuses it without a lock after a lock-free check that (slot, gen) is still
 sealed and unexpired.
