@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from shmcache import CacheConfig, EmbeddingCache
-from shmcache.errors import CapacityError, CorruptSegment, LayoutMismatch
+from shmcache.errors import CacheClosed, CapacityError, CorruptSegment, LayoutMismatch
 from shmcache.kernel.lockfile import bootstrap_lock
-from shmcache.kernel.namespace import create, object_names
+from shmcache.kernel.namespace import create, mark_destroyed, object_names
 from shmcache.node.layout import LAYOUT_VERSION, Header
 from shmcache.testing import kernel_objects, namespace_objects, sample_cache_config
 from tests.helpers import kill, spawn
@@ -211,3 +211,21 @@ def test_a_lock_file_left_by_a_failed_open_of_a_stale_namespace_is_removed(names
     with pytest.raises(CapacityError):
         EmbeddingCache(sample_cache_config(namespace, capacity_bytes=free + (1 << 30)))
     assert not namespace_objects(namespace)
+
+
+def test_a_destroy_killed_after_marking_the_index_is_finished_by_the_next_attach(config: CacheConfig) -> None:
+    """destroy_namespace marks the index destroyed first; a destroyer killed right after that leaves
+    every object in place: the next attach wipes them (not CorruptSegment), and a process still
+    attached gets CacheClosed."""
+    user = EmbeddingCache(config)
+    user.put(key_of("x"), expected_value("x"))
+    fd = os.open(object_names(config.namespace).index_path, os.O_RDWR)
+    try:
+        mark_destroyed(fd)  # the destroyer's first step; it dies here
+    finally:
+        os.close(fd)
+    with EmbeddingCache(config) as fresh:
+        assert fresh.get(key_of("x")) is None and fresh.stats()["puts"] == 0
+    with pytest.raises(CacheClosed, match="destroyed"):
+        user.get(key_of("x"))
+    user.close()

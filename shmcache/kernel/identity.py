@@ -29,7 +29,16 @@ from shmcache.kernel.ownership import Expected, check_semaphores, semaphore_owne
 from shmcache.kernel.semaphores import SemaphoreSet
 from shmcache.keys.key import HASH_ALGORITHMS
 from shmcache.node.clients import start_ticks
-from shmcache.node.layout import CLIENT_HEAD, H_READY, HEADER_SIZE, LAYOUT_VERSION, MAGIC, Header, Layout
+from shmcache.node.layout import (
+    CLIENT_HEAD,
+    DESTROYED,
+    H_READY,
+    HEADER_SIZE,
+    LAYOUT_VERSION,
+    MAGIC,
+    Header,
+    Layout,
+)
 
 __all__ = ["attached_process", "check_header", "judge", "namespace_set", "never_written", "signature_of"]
 
@@ -49,7 +58,7 @@ def check_header(header: Header, size: int, where: str) -> None:
     """`CorruptSegment` unless every field of `header` (magic and version already checked) is in
     range and the layout it gives fills exactly the `size` bytes of the segment."""
     problems = []
-    if header.ready not in (0, 1):
+    if header.ready not in (0, 1, DESTROYED):
         problems.append(f"ready={header.ready}")
     if not 1 <= header.ways <= MAX_WAYS or not 1 <= header.stripes <= MAX_ENTRIES // header.ways:
         problems.append(f"stripes={header.stripes} ways={header.ways}")
@@ -121,6 +130,8 @@ def judge(index: mmap.mmap, where: str, expected: Expected) -> tuple[Header, Sem
             f"{LAYOUT_VERSION}"
         )
     check_header(header, len(index), where)
+    if header.ready == DESTROYED:  # a destroy died before it removed everything: finish it
+        return None
     layout = header.layout
     sems = namespace_set(header, expected)
     if sems is None:  # the set is gone: dead only if no process of the client table still runs

@@ -306,7 +306,7 @@ def wipe(names: ObjectNames, mode: int | None = None) -> None:
         index_fd = open_verified(names.index_path, os.O_RDWR, expected, "index segment")
         arena_fd = open_verified(names.arena_path, os.O_RDWR, expected, "arena segment")
         sems = _set_to_remove(index_fd, expected)
-        _mark_destroyed(index_fd)
+        mark_destroyed(index_fd)
     finally:
         _close(index_fd)
         _close(arena_fd)
@@ -317,7 +317,7 @@ def wipe(names: ObjectNames, mode: int | None = None) -> None:
             os.unlink(path)
 
 
-def _mark_destroyed(index_fd: int | None) -> None:
+def mark_destroyed(index_fd: int | None) -> None:
     """Mark a finished index destroyed, so that processes still attached get `CacheClosed` from
     their next call (native.c checks `ready` on entry: the hit path touches no kernel object that
     removing the namespace would take away)."""
