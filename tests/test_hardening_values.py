@@ -5,6 +5,7 @@ with numpy or torch hidden states as it was stored, never as a miss counted corr
 from __future__ import annotations
 
 import multiprocessing as mp
+import time
 from typing import Any
 
 import numpy as np
@@ -104,3 +105,25 @@ def test_a_zero_d_array_has_its_own_key_and_entry(config: CacheConfig, lib: str)
         cache.put(_key(vector), vector)
         assert tuple(cache.get(_key(scalar)).shape) == ()
         assert tuple(cache.get(_key(vector)).shape) == (1,)
+
+
+def test_a_key_stored_again_is_read_as_its_new_value_after_its_view_died(config: CacheConfig) -> None:
+    """A process keeps the head it parsed for the entry it last delivered of a key, and reuses it
+    only for that very entry (slot, generation): the key stored anew (another shape and dtype)
+    is read as stored, through `get` and `get_many`."""
+    short = CacheConfig(**{**config.__dict__, "ttl_s": 0.2})
+    key = _raw("restored")
+    with EmbeddingCache(short) as cache:
+        cache.put(key, torch.arange(16, dtype=torch.float32).reshape(4, 4))
+        first = cache.get(key)
+        assert first is not None and first.shape == (4, 4)
+        del first  # the view dies: the process keeps only what it parsed
+        cache.flush_releases()
+        time.sleep(0.3)  # idle for longer than the TTL: the entry expired
+        assert cache.get(key) is None
+        new = np.arange(8, dtype=np.int16).reshape(2, 4)
+        cache.put(key, new)
+        assert _same(cache.get(key), new)
+        [again] = cache.get_many([key])
+        assert _same(again, new)
+        assert cache.stats()["corrupt_records"] == 0

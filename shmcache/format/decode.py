@@ -75,6 +75,7 @@ class ParsedValue:
     meta: bytes
     total_len: int
     on_device: bool  # any array was on a GPU when it was stored
+    single: ArraySpec | None  # the array that is the value itself (a tensor or ndarray value)
 
 
 _parsed_heads: dict[bytes, ParsedValue] = {}
@@ -122,7 +123,12 @@ def _parse_head(buffer: memoryview, head: tuple[Any, ...]) -> ParsedValue:
         raise CorruptValue("value descriptor length mismatch")
     meta = bytes(buffer[end_of_head - meta_len : end_of_head])
     on_device = any(spec.lib in DEVICE_LIBS for spec in arrays)
-    return ParsedValue(kind, tuple(arrays), meta, total, on_device)
+    single = None
+    if kind in (KIND_TENSOR, KIND_NDARRAY):
+        single = arrays[0]
+        if (single.lib in TORCH_LIBS) != (kind == KIND_TENSOR):
+            raise CorruptValue("array library does not match the value kind")
+    return ParsedValue(kind, tuple(arrays), meta, total, on_device, single)
 
 
 def _check_header(head: tuple[Any, ...]) -> None:
@@ -230,6 +236,9 @@ def materialize(
     """Build the value that `parsed` describes over `array`, whose byte `base` is the value's
     first byte (already parsed: no checks repeated). Views keep `array` alive. With `device`,
     arrays born on a GPU are built by it instead (see `shmcache.gpu`)."""
+    single = parsed.single
+    if single is not None and (device is None or single.lib not in DEVICE_LIBS):
+        return _materialize(array, single, copy, base)  # the common case, in one step
     return _assemble(
         parsed,
         [
@@ -264,8 +273,8 @@ def _materialize(array: np.ndarray[Any, Any], spec: ArraySpec, copy: bool, base:
 
 def _assemble(parsed: ParsedValue, values: list[Any]) -> Value:
     kind = parsed.kind
-    if kind in (KIND_TENSOR, KIND_NDARRAY):
-        return _expect(values[0], parsed.arrays[0], torch_lib=kind == KIND_TENSOR)
+    if parsed.single is not None:
+        return values[0]
     if kind == KIND_TOKEN_IDS:
         return _token_list(values[0])
     if kind == KIND_HIDDEN_STATE_PREFIX:
@@ -281,12 +290,6 @@ def _assemble(parsed: ParsedValue, values: list[Any]) -> Value:
     if len(set(names)) != len(names):
         raise CorruptValue("tensor dict has duplicate names")
     return dict(zip(names, values, strict=True))
-
-
-def _expect(value: Any, spec: ArraySpec, *, torch_lib: bool) -> Any:
-    if (spec.lib in TORCH_LIBS) != torch_lib:
-        raise CorruptValue("array library does not match the value kind")
-    return value
 
 
 def _token_list(array: Any) -> list[int]:

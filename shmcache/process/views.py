@@ -4,7 +4,8 @@ Per process there is one live mapping per entry: a holder array made straight fr
 mapping (every returned array derives from it, so its mapping is given back only after the last
 view dies, and then enqueues the release of the view pin) and the parsed value format. A repeat
 hit of the same key reuses it without a lock after a lock-free check that (slot, gen) is still
-sealed and unexpired.
+sealed and unexpired. After the views of an entry died, the parsed head stays: delivering that very
+entry (slot, gen) again skips the head check and the parse.
 """
 
 from __future__ import annotations
@@ -152,7 +153,7 @@ class Views:
         try:
             if holder is None:
                 holder = self._arena.view(sealed.offset, sealed.size)
-            value, parsed, aliased = self._build(key, holder, sealed)
+            value, parsed, aliased = self._build(key, needle, holder, sealed)
         except CorruptValue as exc:
             node.count(Counter.CORRUPT_RECORDS)
             log.warning("shmcache: dropping entry %r: %s", key, str(exc))
@@ -177,15 +178,17 @@ class Views:
         return value
 
     def _build(
-        self, key: EmbeddingCacheKey, holder: np.ndarray, sealed: SealedEntry
+        self, key: EmbeddingCacheKey, needle: bytes, holder: np.ndarray, sealed: SealedEntry
     ) -> tuple[Value, decode.ParsedValue, bool]:
         """(value, its parsed format, whether it aliases device memory of the exporter)."""
-        # the head is checked in the shared mapping (the same bytes: the entry is pinned), so the
-        # view's pages are first touched by the consumer, if at all
-        body = entry.verify(self._shared[sealed.offset : sealed.offset + sealed.size], key, sealed.gen)
+        parsed = self._parsed_before(needle, sealed)
+        if parsed is None:
+            # the head is checked in the shared mapping (the same bytes: the entry is pinned), so
+            # the view's pages are first touched by the consumer, if at all
+            body = entry.verify(self._shared[sealed.offset : sealed.offset + sealed.size], key, sealed.gen)
+            parsed = decode.parse(body)
         if self._check_views and not entry.checksum_matches(holder.data):
             raise CorruptValue("the node's copy does not match its checksum")
-        parsed = decode.parse(body)
         if parsed.on_device:
             on_device = self._device.materialize(holder, sealed, parsed, copy=self._clone)
             if on_device is not None:
@@ -193,6 +196,15 @@ class Views:
                 return value, parsed, aliased
         value = decode.materialize(holder, parsed, copy=self._clone, base=entry.ENTRY_HEADER_SIZE)
         return value, parsed, False
+
+    def _parsed_before(self, needle: bytes, sealed: SealedEntry) -> decode.ParsedValue | None:
+        """The head this process checked and parsed when it last delivered `needle`, if that was
+        this very entry, (slot, gen): a sealed entry's bytes never change, and a new reservation of
+        the slot is a new generation."""
+        before = self._local.get(needle)
+        if before is None or before.slot != sealed.slot or before.gen != sealed.gen:
+            return None
+        return before.parsed
 
     def _check_unmodified(self, needle: bytes, key: EmbeddingCacheKey, holder: np.ndarray) -> None:
         """(Debug mode) `ViewMutated` if a view this process was given of `key` was written to
