@@ -1,6 +1,8 @@
 """Type stub of the node layer's C extension (native.c has the protocol and the docs)."""
 
-from typing import Final
+from typing import Any, Final
+
+from shmcache.node.slots import SealedEntry
 
 class Slow:
     """The type of SLOW: take the locked Python path (a stripe needs a repair, a record is damaged)."""
@@ -18,9 +20,10 @@ CLIENT_HEAD_SIZE: Final[int]
 C_COUNTERS: Final[int]
 PIN_SIZE: Final[int]
 ATTACHMENT_SIZE: Final[int]
+COUNTER_HITS_NODE: Final[int]
+COUNTER_MISSES: Final[int]
 COUNTER_EVICTIONS_TTL: Final[int]
 
-Hit = tuple[int, int, int, int, bytes | None]  # slot, gen, offset, size, attachment
 RawRecord = tuple[int, int, int, int, int, float, int, bool]  # the record's fields, crc ok
 
 class Index:
@@ -41,10 +44,13 @@ class Index:
         client_size: int,
         ttl: float,
         lock_timeout: float,
+        sealed: type[tuple[Any, ...]],
     ) -> None: ...
-    def lookup(self, needle: bytes, pins: int, /) -> Hit | Slow | None: ...
-    def lookup_many(self, needles: list[bytes], pins: int, /) -> list[Hit | Slow | None]: ...
-    def hit_in(self, stripe: int, needle: bytes, now: float, pins: int, /) -> Hit | int | None: ...
+    def lookup(self, needle: bytes, pins: int, counted: bool, /) -> SealedEntry | Slow | None: ...
+    def lookup_many(
+        self, needles: list[bytes], pins: int, counted: bool, /
+    ) -> list[SealedEntry | Slow | None]: ...
+    def hit_in(self, stripe: int, needle: bytes, now: float, pins: int, /) -> SealedEntry | int | None: ...
     def find(self, stripe: int, needle: bytes, /) -> list[int]: ...
     def contains(self, needle: bytes, /) -> bool | Slow: ...
     def contains_many(self, needles: list[bytes], /) -> list[bool | Slow]: ...

@@ -50,7 +50,7 @@ class NodeIndex:
         buf = segments.index
         self.ttl: float | None = Header.read(buf).ttl or None
         self.capacity = segments.capacity
-        self.native = native = layout.native(buf, self.ttl, lock_timeout)
+        self.native = native = layout.native(buf, self.ttl, lock_timeout, SealedEntry)
         self.slots = SlotTable(idx, layout, native, self.ttl)
         self.pins = PinTable(idx, layout, native)
         self.clients = ClientTable(idx, layout, buf, segments.sems)

@@ -27,7 +27,7 @@ import mmap
 import struct
 from dataclasses import astuple, dataclass
 from functools import cached_property
-from typing import Final
+from typing import Any, Final
 
 import numpy as np
 
@@ -203,6 +203,7 @@ assert (_native.KEY_SIZE, _native.STRIPE_SIZE, _native.LOCK_SIZE) == (KEY_SIZE, 
 assert (ATTACHMENT_SIZE, PIN.size) == (_native.ATTACHMENT_SIZE, _native.PIN_SIZE)
 assert (_native.CLIENT_HEAD_SIZE, _native.C_COUNTERS) == (CLIENT_HEAD_SIZE, C_COUNTERS)
 assert _native.COUNTER_EVICTIONS_TTL == Counter.EVICTIONS_TTL
+assert _native.COUNTER_HITS_NODE == Counter.HITS_NODE and _native.COUNTER_MISSES == Counter.MISSES
 assert (_native.H_READY, _native.DESTROYED) == (H_READY, DESTROYED)
 
 
@@ -297,8 +298,11 @@ class Layout:
         """Make the lock table's mutexes in a new index (before it is marked ready)."""
         _native.init_locks(buf, self.locks_off, 1 + self.stripes)
 
-    def native(self, buf: IndexBuffer, ttl: float | None, lock_timeout: float) -> _native.Index:
-        """The native handle (native.c) on the index mapped at `buf`, for these sizes."""
+    def native(
+        self, buf: IndexBuffer, ttl: float | None, lock_timeout: float, sealed: type[tuple[Any, ...]]
+    ) -> _native.Index:
+        """The native handle (native.c) on the index mapped at `buf`, for these sizes; its hits are
+        `sealed` (slots.SealedEntry)."""
         return _native.Index(
             buffer=buf,
             locks_off=self.locks_off,
@@ -314,6 +318,7 @@ class Layout:
             client_size=self.client_size,
             ttl=ttl or 0.0,
             lock_timeout=lock_timeout,
+            sealed=sealed,
         )
 
 

@@ -12,17 +12,11 @@ import time
 from collections.abc import Callable, Sequence
 
 from shmcache.node import _native
+from shmcache.node.layout import Counter
 from shmcache.node.sections import Sections
 from shmcache.node.slots import SealedEntry
 
 __all__ = ["Lookups"]
-
-
-def _sealed(hit: _native.Hit | None) -> SealedEntry | None:
-    if hit is None:
-        return None
-    slot, gen, offset, size, attachment = hit
-    return SealedEntry(slot, gen, offset, size, True, attachment)
 
 
 class Lookups:
@@ -42,33 +36,35 @@ class Lookups:
             stripe_of,
         )
 
-    def lookup(self, needle: bytes, pins: int) -> SealedEntry | None:
-        """A sealed, unexpired entry for `needle`, pinned `pins` times; None on a miss."""
-        answer = self._native.lookup(needle, pins)
+    def lookup(self, needle: bytes, pins: int, *, counted: bool = False) -> SealedEntry | None:
+        """A sealed, unexpired entry for `needle`, pinned `pins` times; None on a miss. When
+        `counted`, the hit or miss is counted (HITS_NODE, MISSES)."""
+        answer = self._native.lookup(needle, pins, counted)
         if isinstance(answer, _native.Slow):
-            answer = self._locked(needle, pins)
-        return _sealed(answer)
+            answer = self._locked(needle, pins, counted)
+        return answer
 
     def lookup_many(
         self, needles: list[bytes], pins: int, release: Callable[[list[tuple[int, int]]], None]
     ) -> list[SealedEntry | None]:
-        """`lookup` of every needle, in order, in one native call. If anything raises (out of pin
-        records, a lock timeout), the hits already pinned are given to `release` first."""
+        """`lookup` of every needle, in order, in one native call, each hit or miss counted. If
+        anything raises (out of pin records, a lock timeout), the hits already pinned are given
+        to `release` first."""
         try:
-            answers = self._native.lookup_many(needles, pins)
+            answers = self._native.lookup_many(needles, pins, True)
         except BaseException as exc:  # KeyboardInterrupt too: a wait for a stripe is interruptible
             release(_pins(getattr(exc, "answers", []), pins))
             raise
-        hits: list[_native.Hit | None] = []
+        hits: list[SealedEntry | None] = []
         try:
             for needle, answer in zip(needles, answers, strict=True):
                 if isinstance(answer, _native.Slow):  # not pinned: its stripe needs a repair
-                    answer = self._locked(needle, pins)
+                    answer = self._locked(needle, pins, True)
                 hits.append(answer)
         except BaseException:
             release(_pins([*hits, *answers[len(hits) :]], pins))  # the one that raised held no pin
             raise
-        return [_sealed(hit) for hit in hits]
+        return hits
 
     def contains(self, needle: bytes) -> bool:
         """True if `needle` is sealed and unexpired now: lock-free, no pin (the access is stamped)."""
@@ -89,21 +85,26 @@ class Lookups:
 
     def hit_in(self, stripe: int, needle: bytes, now: float, pins: int) -> SealedEntry | None:
         """The lookup step inside a stripe section the caller holds."""
-        return _sealed(self._hit_in(stripe, needle, now, pins))
-
-    def _locked(self, needle: bytes, pins: int) -> _native.Hit | None:
-        stripe = self._stripe_of(needle)
-        with self._sections.stripe(stripe):  # repairs the stripe if its last holder died inside
-            return self._hit_in(stripe, needle, time.monotonic(), pins)
-
-    def _hit_in(self, stripe: int, needle: bytes, now: float, pins: int) -> _native.Hit | None:
         while True:
             answer = self._native.hit_in(stripe, needle, now, pins)
             if not isinstance(answer, int):
                 return answer
             self._quarantine(answer)  # a damaged record: made unreachable, then look again
 
+    def _locked(self, needle: bytes, pins: int, counted: bool) -> SealedEntry | None:
+        stripe = self._stripe_of(needle)
+        with self._sections.stripe(stripe):  # repairs the stripe if its last holder died inside
+            hit = self.hit_in(stripe, needle, time.monotonic(), pins)
+        if counted:
+            self._native.count(Counter.MISSES if hit is None else Counter.HITS_NODE, 1)
+        return hit
 
-def _pins(answers: Sequence[_native.Hit | _native.Slow | None], pins: int) -> list[tuple[int, int]]:
+
+def _pins(answers: Sequence[SealedEntry | _native.Slow | None], pins: int) -> list[tuple[int, int]]:
     """One (slot, gen) per pin the hits among `answers` hold."""
-    return [(answer[0], answer[1]) for answer in answers if isinstance(answer, tuple) for _ in range(pins)]
+    return [
+        (answer.slot, answer.gen)
+        for answer in answers
+        if isinstance(answer, SealedEntry)
+        for _ in range(pins)
+    ]

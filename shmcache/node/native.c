@@ -93,7 +93,7 @@
 
 enum { EMPTY = 0, RESERVED = 1, SEALED = 2, STALE = 3 };
 /* Counter indices used here (layout.Counter; checked from layout.py) */
-enum { COUNTER_EVICTIONS_TTL = 7 };
+enum { COUNTER_HITS_NODE = 1, COUNTER_MISSES = 2, COUNTER_EVICTIONS_TTL = 7 };
 
 #pragma pack(push, 1)
 typedef struct {
@@ -164,6 +164,7 @@ typedef struct {
     Py_ssize_t table_mask;
     int32_t *free_pins; /* a stack of free pin record indices */
     Py_ssize_t free_top;
+    PyTypeObject *sealed; /* slots.SealedEntry: a hit is one (a tuple subclass of 6 items) */
 } Index;
 
 static inline char *slot_at(Index *ix, Py_ssize_t slot) { return ix->base + ix->slots_off + SLOT_SIZE * slot; }
@@ -549,15 +550,29 @@ static PyTypeObject SlowType = {
 };
 static PyObject *SLOW;
 
-/* A hit as (slot, gen, offset, size, attachment) */
-static PyObject *hit_tuple(const hit_t *hit) {
-    PyObject *attachment =
-        hit->has_attachment ? PyBytes_FromStringAndSize(hit->attachment, ATTACHMENT_SIZE) : Py_NewRef(Py_None);
-    if (attachment == NULL) {
-        return NULL;
+/* A hit as a SealedEntry(slot, gen, offset, size, pinned=True, attachment), made as tuple.__new__
+ * makes an instance of a tuple subclass (its items are set before anything can see it) */
+static PyObject *hit_tuple(Index *ix, const hit_t *hit) {
+    PyObject *items[6] = {
+        PyLong_FromSsize_t(hit->slot),
+        PyLong_FromUnsignedLongLong(hit->rec.gen),
+        PyLong_FromUnsignedLongLong(hit->rec.offset),
+        PyLong_FromUnsignedLongLong(hit->rec.size),
+        Py_NewRef(Py_True),
+        hit->has_attachment ? PyBytes_FromStringAndSize(hit->attachment, ATTACHMENT_SIZE) : Py_NewRef(Py_None),
+    };
+    PyObject *entry = NULL;
+    if (items[0] != NULL && items[1] != NULL && items[2] != NULL && items[3] != NULL && items[5] != NULL) {
+        entry = ix->sealed->tp_alloc(ix->sealed, 6);
     }
-    return Py_BuildValue("(nKKKN)", hit->slot, (unsigned long long)hit->rec.gen,
-                         (unsigned long long)hit->rec.offset, (unsigned long long)hit->rec.size, attachment);
+    for (int i = 0; i < 6; i++) {
+        if (entry != NULL) {
+            PyTuple_SET_ITEM(entry, i, items[i]);
+        } else {
+            Py_XDECREF(items[i]);
+        }
+    }
+    return entry;
 }
 
 static int check_needle(PyObject *needle, const char **bytes) {
@@ -613,8 +628,9 @@ static int check_bound(Index *ix) {
     return 0;
 }
 
-/* One whole lookup transaction: the answer for one needle, or SLOW, or NULL on error. */
-static PyObject *lookup_one(Index *ix, const char *needle, uint32_t pins) {
+/* One whole lookup transaction: the answer for one needle, or SLOW, or NULL on error. When
+ * `counted`, a hit or a miss is counted (HITS_NODE, MISSES); SLOW is no answer, nothing is. */
+static PyObject *lookup_one(Index *ix, const char *needle, uint32_t pins, int counted) {
     Py_ssize_t stripe = stripe_of(ix, needle);
     int entered = enter_stripe_fast(ix, stripe);
     if (entered <= 0) {
@@ -630,9 +646,12 @@ static PyObject *lookup_one(Index *ix, const char *needle, uint32_t pins) {
     if (leave_stripe(ix, stripe) < 0) {
         return NULL;
     }
+    if (counted && (found == R_HIT || found == R_MISS)) {
+        count(ix, found == R_HIT ? COUNTER_HITS_NODE : COUNTER_MISSES, 1);
+    }
     switch (found) {
     case R_HIT:
-        return hit_tuple(&hit);
+        return hit_tuple(ix, &hit);
     case R_MISS:
         Py_RETURN_NONE;
     case R_DAMAGED:
@@ -691,6 +710,11 @@ static int as_int(PyObject *o, int *out) {
     return 0;
 }
 
+static int as_flag(PyObject *o, int *out) {
+    *out = PyObject_IsTrue(o);
+    return *out < 0 ? -1 : 0;
+}
+
 static int as_double(PyObject *o, double *out) {
     *out = PyFloat_AsDouble(o);
     return *out == -1.0 && PyErr_Occurred() ? -1 : 0;
@@ -709,20 +733,24 @@ static int pin_args(Index *ix, PyObject *const *args, Py_ssize_t nargs, const ch
 static PyObject *Index_lookup(Index *ix, PyObject *const *args, Py_ssize_t nargs) {
     const char *needle;
     uint32_t pins;
-    if (usage_error(nargs, 2, "lookup(needle, pins)") < 0 || check_needle(args[0], &needle) < 0 ||
-        as_u32(args[1], &pins) < 0 || check_bound(ix) < 0 || check_live(ix) < 0) {
+    int counted;
+    if (usage_error(nargs, 3, "lookup(needle, pins, counted)") < 0 || check_needle(args[0], &needle) < 0 ||
+        as_u32(args[1], &pins) < 0 || as_flag(args[2], &counted) < 0 || check_bound(ix) < 0 ||
+        check_live(ix) < 0) {
         return NULL;
     }
-    return lookup_one(ix, needle, pins);
+    return lookup_one(ix, needle, pins, counted);
 }
 
 static PyObject *Index_lookup_many(Index *ix, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2 || !PyList_Check(args[0])) {
-        PyErr_SetString(PyExc_TypeError, "lookup_many(needles: list[bytes], pins)");
+    if (nargs != 3 || !PyList_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "lookup_many(needles: list[bytes], pins, counted)");
         return NULL;
     }
     uint32_t pins;
-    if (as_u32(args[1], &pins) < 0 || check_bound(ix) < 0 || check_live(ix) < 0) {
+    int counted;
+    if (as_u32(args[1], &pins) < 0 || as_flag(args[2], &counted) < 0 || check_bound(ix) < 0 ||
+        check_live(ix) < 0) {
         return NULL;
     }
     /* our own references: the caller's list may change while a wait releases the GIL */
@@ -744,7 +772,7 @@ static PyObject *Index_lookup_many(Index *ix, PyObject *const *args, Py_ssize_t 
         return NULL;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *answer = lookup_one(ix, PyBytes_AS_STRING(PyTuple_GET_ITEM(needles, i)), pins);
+        PyObject *answer = lookup_one(ix, PyBytes_AS_STRING(PyTuple_GET_ITEM(needles, i)), pins, counted);
         if (answer == NULL) {
             /* the hits before this one stay pinned: the caller releases them (it gets them back
              * through the exception's `answers` attribute) */
@@ -783,7 +811,7 @@ static PyObject *Index_hit_in(Index *ix, PyObject *const *args, Py_ssize_t nargs
     hit_t hit;
     switch (hit_in(ix, stripe, needle, now, pins, &hit)) {
     case R_HIT:
-        return hit_tuple(&hit);
+        return hit_tuple(ix, &hit);
     case R_MISS:
         Py_RETURN_NONE;
     case R_DAMAGED:
@@ -1325,16 +1353,21 @@ static PyObject *Index_count(Index *ix, PyObject *const *args, Py_ssize_t nargs)
 static int Index_init(Index *ix, PyObject *args, PyObject *kwds) {
     static char *names[] = {"buffer", "locks_off", "stripes", "ways", "clients", "pins", "stripes_off",
                             "slots_off", "keys_off", "attachments_off", "clients_off", "client_size",
-                            "ttl", "lock_timeout", NULL};
-    PyObject *buffer;
+                            "ttl", "lock_timeout", "sealed", NULL};
+    PyObject *buffer, *sealed;
     if (ix->base != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "an Index is initialised once");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "Onnnnnnnnnnndd", names, &buffer, &ix->locks_off, &ix->stripes,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OnnnnnnnnnnnddO", names, &buffer, &ix->locks_off, &ix->stripes,
                                      &ix->ways, &ix->clients, &ix->pins, &ix->stripes_off, &ix->slots_off,
                                      &ix->keys_off, &ix->attachments_off, &ix->clients_off, &ix->client_size,
-                                     &ix->ttl, &ix->lock_timeout)) {
+                                     &ix->ttl, &ix->lock_timeout, &sealed)) {
+        return -1;
+    }
+    if (!PyType_Check(sealed) || !PyType_IsSubtype((PyTypeObject *)sealed, &PyTuple_Type) ||
+        ((PyTypeObject *)sealed)->tp_basicsize != PyTuple_Type.tp_basicsize) {
+        PyErr_SetString(PyExc_TypeError, "sealed must be a tuple subclass without fields of its own");
         return -1;
     }
     if (ix->stripes <= 0 || ix->ways <= 0 || ix->clients <= 0 || ix->pins <= 0 || ix->pins > INT32_MAX / 4) {
@@ -1383,6 +1416,7 @@ static int Index_init(Index *ix, PyObject *args, PyObject *kwds) {
     ix->zero_crc = (uint32_t)crc32(crc32(0L, (const Bytef *)zeros, RECORD_SIZE), (const Bytef *)zeros, KEY_SIZE);
     ix->row = -1;
     ix->pid = getpid();
+    ix->sealed = (PyTypeObject *)Py_NewRef(sealed);
     return 0;
 }
 
@@ -1392,15 +1426,16 @@ static void Index_dealloc(Index *ix) {
     }
     PyMem_Free(ix->table);
     PyMem_Free(ix->free_pins);
+    Py_XDECREF(ix->sealed);
     Py_TYPE(ix)->tp_free((PyObject *)ix);
 }
 
 static PyMethodDef Index_methods[] = {
     {"lookup", (PyCFunction)(void (*)(void))Index_lookup, METH_FASTCALL,
-     "lookup(needle, pins): find and pin a sealed entry, one stripe section: (slot, gen, offset, size, "
-     "attachment), None on a miss, SLOW when the stripe needs a repair or a record is damaged."},
+     "lookup(needle, pins, counted): find and pin a sealed entry, one stripe section: a SealedEntry, None "
+     "on a miss, SLOW when the stripe needs a repair or a record is damaged; `counted`: count the hit or miss."},
     {"lookup_many", (PyCFunction)(void (*)(void))Index_lookup_many, METH_FASTCALL,
-     "lookup_many(needles, pins): `lookup` of each needle, in order (one section per needle)."},
+     "lookup_many(needles, pins, counted): `lookup` of each needle, in order (one section per needle)."},
     {"hit_in", (PyCFunction)(void (*)(void))Index_hit_in, METH_FASTCALL,
      "hit_in(stripe, needle, now, pins): the lookup step inside a stripe section the caller holds; "
      "an int is the slot of a damaged record (quarantine it and call again)."},
@@ -1554,6 +1589,8 @@ PyMODINIT_FUNC PyInit__native(void) {
         PyModule_AddIntConstant(m, "C_COUNTERS", C_COUNTERS) < 0 ||
         PyModule_AddIntConstant(m, "PIN_SIZE", PIN_SIZE) < 0 ||
         PyModule_AddIntConstant(m, "ATTACHMENT_SIZE", ATTACHMENT_SIZE) < 0 ||
+        PyModule_AddIntConstant(m, "COUNTER_HITS_NODE", COUNTER_HITS_NODE) < 0 ||
+        PyModule_AddIntConstant(m, "COUNTER_MISSES", COUNTER_MISSES) < 0 ||
         PyModule_AddIntConstant(m, "COUNTER_EVICTIONS_TTL", COUNTER_EVICTIONS_TTL) < 0) {
         Py_DECREF(m);
         return NULL;

@@ -45,7 +45,7 @@ from shmcache.node.layout import (
     Layout,
 )
 from shmcache.node.pins import PinTable
-from shmcache.node.slots import SlotRecord, SlotState, SlotTable
+from shmcache.node.slots import SealedEntry, SlotRecord, SlotState, SlotTable
 
 __all__ = [
     "SCHEMA_FILE",
@@ -200,7 +200,7 @@ class _Index:
         clients = ClientTable(idx, layout, buf, sems)
         first = layout.client_sem(0)
         alive: np.ndarray = (values[first : first + layout.clients] != 0) & clients.claimed()
-        native = layout.native(buf, header.ttl or None, lock_timeout=0.0)  # reads only
+        native = layout.native(buf, header.ttl or None, 0.0, SealedEntry)  # reads only
         return cls(
             buf=buf,
             header=header,

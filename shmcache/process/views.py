@@ -92,13 +92,8 @@ class Views:
         value = self.repeat_hit(needle, key, request_id)
         if value is not None:
             return value
-        node = self._node
-        sealed = node.lookups.lookup(needle, self.pins_for(request_id))
-        if sealed is None:
-            node.count(Counter.MISSES)
-            return None
-        node.count(Counter.HITS_NODE)
-        return self.deliver(key, needle, sealed, request_id)
+        sealed = self._node.lookups.lookup(needle, self.pins_for(request_id), counted=True)
+        return None if sealed is None else self.deliver(key, needle, sealed, request_id)
 
     def lookup_many(
         self, keys: Sequence[EmbeddingCacheKey], needles: list[bytes], request_id: RequestId | None
@@ -111,8 +106,6 @@ class Views:
         found = node.lookups.lookup_many([needles[i] for i in todo], pins, node.release)
         try:  # from here on every hit's pins are given back if anything fails
             hits = [(i, sealed) for i, sealed in zip(todo, found, strict=True) if sealed is not None]
-            node.count(Counter.MISSES, len(todo) - len(hits))
-            node.count(Counter.HITS_NODE, len(hits))
             holders = self._arena.view_many([(sealed.offset, sealed.size) for _, sealed in hits])
         except BaseException:
             node.release(
