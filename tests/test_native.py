@@ -10,6 +10,7 @@ import random
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -30,6 +31,7 @@ from shmcache.node.audit import audit
 from shmcache.node.crashpoints import CrashPoint
 from shmcache.node.index import NodeIndex
 from shmcache.node.layout import needle_of
+from shmcache.node.slots import SealedEntry
 from shmcache.testing import sample_cache_config
 from tests import workers
 from tests.helpers import kill, spawn, wait_for
@@ -308,3 +310,23 @@ def test_a_get_waiting_on_a_killed_holders_lock_gets_it_at_once(config: CacheCon
         assert cache.stats()["repairs"] == 1
         cache.gc()  # reaps the victim's client record
         assert audit(node_of(cache)) == []
+
+
+def test_a_native_hit_is_a_sealed_entry_like_one_made_in_python(config: CacheConfig) -> None:
+    """The native lookup makes its answer as an instance of `SealedEntry` (a NamedTuple): equal
+    to, and hashing like, the same record made in Python; an Index refuses a type of another shape."""
+    with EmbeddingCache(config) as cache:
+        cache.put(key_of("a"), expected_value("a"))
+        node = node_of(cache)
+        hit = node.lookups.lookup(needle_of(key_of("a")), 0)
+        assert type(hit) is SealedEntry
+        made = SealedEntry(hit.slot, hit.gen, hit.offset, hit.size, True, hit.attachment)
+        assert hit == made and hash(hit) == hash(made) and {hit, made} == {made}
+        assert hit.pinned and hit.size > 0
+
+        class Pair(NamedTuple):
+            slot: int
+            gen: int
+
+        with pytest.raises(TypeError, match="6 fields"):
+            node.layout.native(cache._segments.index, None, 1.0, Pair)

@@ -72,6 +72,7 @@ class Index:
         size: int,
         sealed_at: float,
         refs: int,
+        needle: bytes | None,
         /,
     ) -> None: ...
     def bind(self, row: int, /) -> None: ...

@@ -39,6 +39,10 @@
  *    48-byte key record) are written by one memcpy of 48 bytes from a local copy: never field by
  *    field in place, so a lock-free reader sees either a record whose crc checks or a torn one
  *    whose crc fails (and then takes the locked path), never a half-written record that checks.
+ *    A reservation names its slot's key in the same call, right before the record (the crc
+ *    covers the key), so a writer killed between the two, which leaves a pair that fails its crc
+ *    (quarantined by the stripe's repair, counted as a corrupt record), needs a kill between two
+ *    stores rather than anywhere in the Python between them.
  * 4. Lock-free readers.  `contains`, `repeat_hit` and the LRU stamp run without the semaphore:
  *      - contains copies the key record and the slot record with its crc into locals, then
  *        verifies the crc over the copies (an acquire fence orders the loads after the scan);
@@ -90,6 +94,7 @@
 #define C_COUNTERS 64
 #define PIN_SIZE 16
 #define ATTACHMENT_SIZE 192
+#define SEALED_FIELDS 6 /* slots.SealedEntry: slot, gen, offset, size, pinned, attachment */
 
 enum { EMPTY = 0, RESERVED = 1, SEALED = 2, STALE = 3 };
 /* Counter indices used here (layout.Counter; checked from layout.py) */
@@ -551,9 +556,10 @@ static PyTypeObject SlowType = {
 static PyObject *SLOW;
 
 /* A hit as a SealedEntry(slot, gen, offset, size, pinned=True, attachment), made as tuple.__new__
- * makes an instance of a tuple subclass (its items are set before anything can see it) */
+ * makes an instance of a tuple subclass: allocated once its items exist (no allocation runs
+ * between, so the collector never sees it half made), then filled */
 static PyObject *hit_tuple(Index *ix, const hit_t *hit) {
-    PyObject *items[6] = {
+    PyObject *items[SEALED_FIELDS] = {
         PyLong_FromSsize_t(hit->slot),
         PyLong_FromUnsignedLongLong(hit->rec.gen),
         PyLong_FromUnsignedLongLong(hit->rec.offset),
@@ -563,15 +569,20 @@ static PyObject *hit_tuple(Index *ix, const hit_t *hit) {
     };
     PyObject *entry = NULL;
     if (items[0] != NULL && items[1] != NULL && items[2] != NULL && items[3] != NULL && items[5] != NULL) {
-        entry = ix->sealed->tp_alloc(ix->sealed, 6);
+        entry = ix->sealed->tp_alloc(ix->sealed, SEALED_FIELDS);
     }
-    for (int i = 0; i < 6; i++) {
+    for (int i = 0; i < SEALED_FIELDS; i++) {
         if (entry != NULL) {
             PyTuple_SET_ITEM(entry, i, items[i]);
         } else {
             Py_XDECREF(items[i]);
         }
     }
+#if PY_VERSION_HEX >= 0x030E0000
+    if (entry != NULL) {
+        ((PyTupleObject *)entry)->ob_hash = -1; /* 3.14 caches a tuple's hash: "not computed yet" */
+    }
+#endif
     return entry;
 }
 
@@ -1255,13 +1266,20 @@ static PyObject *Index_write_record(Index *ix, PyObject *const *args, Py_ssize_t
     record_t r;
     Py_ssize_t slot;
     int owner;
-    if (usage_error(nargs, 8, "write_record(slot, state, owner, gen, offset, size, sealed_at, refs)") < 0 ||
+    const char *needle = NULL;
+    if (usage_error(nargs, 9, "write_record(slot, state, owner, gen, offset, size, sealed_at, refs, needle)") < 0 ||
         as_ssize(args[0], &slot) < 0 || as_u32(args[1], &r.state) < 0 || as_int(args[2], &owner) < 0 ||
         as_u64(args[3], &r.gen) < 0 || as_u64(args[4], &r.offset) < 0 || as_u64(args[5], &r.size) < 0 ||
-        as_double(args[6], &r.sealed_at) < 0 || as_u32(args[7], &r.refs) < 0 || check_slot(ix, slot) < 0) {
+        as_double(args[6], &r.sealed_at) < 0 || as_u32(args[7], &r.refs) < 0 ||
+        (args[8] != Py_None && check_needle(args[8], &needle) < 0) || check_slot(ix, slot) < 0) {
         return NULL;
     }
     r.owner = owner;
+    if (needle != NULL) {
+        /* naming the slot for a new key: the key, then the record whose crc covers it, back to
+         * back (a writer killed between the two leaves a pair that fails its crc) */
+        memcpy(key_at(ix, slot), needle, KEY_SIZE);
+    }
     write_record(ix, slot, &r);
     Py_RETURN_NONE;
 }
@@ -1350,6 +1368,26 @@ static PyObject *Index_count(Index *ix, PyObject *const *args, Py_ssize_t nargs)
 }
 
 /* ------------------------------------------------------------------------- type plumbing */
+/* `sealed` must be a NamedTuple class of SEALED_FIELDS fields and nothing else (hit_tuple fills it) */
+static int check_sealed_type(PyObject *sealed) {
+    if (!PyType_Check(sealed) || !PyType_IsSubtype((PyTypeObject *)sealed, &PyTuple_Type) ||
+        ((PyTypeObject *)sealed)->tp_basicsize != PyTuple_Type.tp_basicsize) {
+        PyErr_SetString(PyExc_TypeError, "sealed must be a tuple subclass without fields of its own");
+        return -1;
+    }
+    PyObject *fields = PyObject_GetAttrString(sealed, "_fields");
+    if (fields == NULL) {
+        return -1;
+    }
+    Py_ssize_t n = PyTuple_Check(fields) ? PyTuple_GET_SIZE(fields) : -1;
+    Py_DECREF(fields);
+    if (n != SEALED_FIELDS) {
+        PyErr_Format(PyExc_TypeError, "sealed must have %d fields (slot, gen, offset, size, pinned, attachment)",
+                     SEALED_FIELDS);
+        return -1;
+    }
+    return 0;
+}
 static int Index_init(Index *ix, PyObject *args, PyObject *kwds) {
     static char *names[] = {"buffer", "locks_off", "stripes", "ways", "clients", "pins", "stripes_off",
                             "slots_off", "keys_off", "attachments_off", "clients_off", "client_size",
@@ -1365,9 +1403,7 @@ static int Index_init(Index *ix, PyObject *args, PyObject *kwds) {
                                      &ix->ttl, &ix->lock_timeout, &sealed)) {
         return -1;
     }
-    if (!PyType_Check(sealed) || !PyType_IsSubtype((PyTypeObject *)sealed, &PyTuple_Type) ||
-        ((PyTypeObject *)sealed)->tp_basicsize != PyTuple_Type.tp_basicsize) {
-        PyErr_SetString(PyExc_TypeError, "sealed must be a tuple subclass without fields of its own");
+    if (check_sealed_type(sealed) < 0) {
         return -1;
     }
     if (ix->stripes <= 0 || ix->ways <= 0 || ix->clients <= 0 || ix->pins <= 0 || ix->pins > INT32_MAX / 4) {
@@ -1461,7 +1497,8 @@ static PyMethodDef Index_methods[] = {
     {"read_record", (PyCFunction)Index_read_record, METH_O,
      "read_record(slot): (state, owner, gen, offset, size, sealed_at, refs, crc_ok)."},
     {"write_record", (PyCFunction)(void (*)(void))Index_write_record, METH_FASTCALL,
-     "write_record(slot, state, owner, gen, offset, size, sealed_at, refs): record and crc in one copy."},
+     "write_record(slot, state, owner, gen, offset, size, sealed_at, refs, needle): record and crc in one copy "
+     "(after the slot's key, when `needle` is not None)."},
     {"bind", (PyCFunction)Index_bind, METH_O, "bind(row): this process's (zeroed) client record; -1 unbinds."},
     {"pin_add", (PyCFunction)(void (*)(void))Index_pin_add, METH_FASTCALL, "pin_add(slot, gen, count)."},
     {"pin_remove", (PyCFunction)(void (*)(void))Index_pin_remove, METH_FASTCALL,

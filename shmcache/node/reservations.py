@@ -122,8 +122,10 @@ class Reservations:
         record = table.read(victim)
         assert record is not None and record.state == SlotState.EMPTY
         gen = self._next_gen(victim, record)
-        table.set_key(victim, needle, *meta)
-        table.write(victim, SlotState.EMPTY, SlotRecord(SlotState.RESERVED, self.client, gen, 0, 0, 0.0, 0))
+        table.set_meta(victim, *meta)
+        table.write(
+            victim, SlotState.EMPTY, SlotRecord(SlotState.RESERVED, self.client, gen, 0, 0, 0.0, 0), needle
+        )
         return Claim(ClaimKind.OWNER, victim, gen)
 
     def _next_gen(self, slot: int, record: SlotRecord) -> int:

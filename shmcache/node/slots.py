@@ -40,7 +40,6 @@ from shmcache.node import _native
 from shmcache.node.layout import (
     ERROR_SIZE,
     FAILURE,
-    KEY_SIZE,
     META,
     S_FAILURE,
     S_LAST_ACCESS,
@@ -152,7 +151,7 @@ class SlotTable:
         self.ttl = ttl
         self.native = native
         self.on_damaged: Callable[[int], None] = lambda slot: None  # the index quarantines
-        self._slots_off, self._keys_off = layout.slots_off, layout.keys_off
+        self._slots_off = layout.slots_off
         self.array = np.ndarray((layout.slots,), SLOT_DTYPE, buffer=idx, offset=layout.slots_off)
 
     # ------------------------------------------------------------------ records
@@ -173,27 +172,27 @@ class SlotTable:
         self.on_damaged(slot)
         return None
 
-    def write(self, slot: int, was: SlotState, record: SlotRecord) -> None:
+    def write(self, slot: int, was: SlotState, record: SlotRecord, needle: bytes | None = None) -> None:
         """Replace a record read as state `was` (in the same section) by `record`, after checking
-        the transition; record and crc are written in one copy."""
+        the transition; record and crc are written in one copy. With `needle`, the slot is named
+        for that key first, in the same native call (the crc covers the key)."""
         if (was, record.state) not in TRANSITIONS:
             raise ProtocolViolation(f"slot {slot}: illegal transition {was.label} -> {record.state.label}")
-        self.native.write_record(slot, *record)
+        self.native.write_record(slot, *record, needle)
 
     def quarantine(self, slot: int, record: SlotRecord) -> None:
         """The unchecked write for a record that failed its crc: `record` must be STALE or EMPTY."""
         assert record.state in (STALE, EMPTY)
-        self.native.write_record(slot, *record)
+        self.native.write_record(slot, *record, None)
 
     def gen(self, slot: int) -> int:
         """The slot's current generation, read without a lock."""
         return int(self.array["gen"][slot])
 
     # ------------------------------------------------------------------ keys
-    def set_key(self, slot: int, needle: bytes, modality: int, kind: int) -> None:
-        """Name the key a reservation is for (before its record is written: the crc covers it)."""
-        koff = self._keys_off + KEY_SIZE * slot
-        self.idx[koff : koff + KEY_SIZE] = needle
+    def set_meta(self, slot: int, modality: int, kind: int) -> None:
+        """The modality and key kind of the key a reservation is for (informational, outside the
+        crc; the key itself is written with the reservation's record: `write(..., needle)`)."""
         moff = self._slots_off + SLOT_SIZE * slot + S_META
         self.idx[moff : moff + META.size] = META.pack(modality, kind)
 

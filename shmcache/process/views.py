@@ -51,6 +51,8 @@ class _Mapping(NamedTuple):
 
     slot: int
     gen: int
+    offset: int  # where the entry lies in the arena: with (slot, gen), the entry whose head was parsed
+    size: int
     holder: weakref.ref[np.ndarray]  # the entry's bytes; alive while any returned view is
     parsed: decode.ParsedValue
     template: weakref.ref[Any] | None  # a value returned earlier, aliased by repeat hits
@@ -163,7 +165,9 @@ class Views:
                 node.release([(slot, gen)])  # the pin only covered the copy
             return value
         record = GpuRecord.from_attachment(sealed.attachment) if aliased else None
-        mapping = _Mapping(slot, gen, weakref.ref(holder), parsed, _weak(value), record)
+        mapping = _Mapping(
+            slot, gen, sealed.offset, sealed.size, weakref.ref(holder), parsed, _weak(value), record
+        )
         with self._lock:
             self._local[needle] = mapping
         self._releases.opened()
@@ -192,10 +196,17 @@ class Views:
 
     def _parsed_before(self, needle: bytes, sealed: SealedEntry) -> decode.ParsedValue | None:
         """The head this process checked and parsed when it last delivered `needle`, if that was
-        this very entry, (slot, gen): a sealed entry's bytes never change, and a new reservation of
-        the slot is a new generation."""
+        this very entry, (slot, gen) at the same extent: a sealed entry's bytes never change, and a
+        new reservation of the slot is a new generation (the extent is checked too, in case a
+        damaged record's repair ever handed a generation out twice)."""
         before = self._local.get(needle)
-        if before is None or before.slot != sealed.slot or before.gen != sealed.gen:
+        if (
+            before is None
+            or before.slot != sealed.slot
+            or before.gen != sealed.gen
+            or before.offset != sealed.offset
+            or before.size != sealed.size
+        ):
             return None
         return before.parsed
 
