@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from shmcache import CacheConfig, EmbeddingCache, EmbeddingCacheKey, HiddenStatePrefix
+from shmcache.process import views
 from shmcache.testing import sample_preprocessing
 from tests.helpers import spawn
 
@@ -127,3 +128,24 @@ def test_a_key_stored_again_is_read_as_its_new_value_after_its_view_died(config:
         [again] = cache.get_many([key])
         assert _same(again, new)
         assert cache.stats()["corrupt_records"] == 0
+
+
+def test_a_process_remembers_a_bounded_number_of_dead_views_and_every_live_one(
+    config: CacheConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a process keeps of a delivered entry after its views died (for a cheap re-delivery)
+    is bounded: a process that meets ever new keys does not grow; a live view is never forgotten
+    (its key stays a repeat hit)."""
+    monkeypatch.setattr(views, "REMEMBERED", 8)
+    with EmbeddingCache(config) as cache:
+        keys = [_raw(f"many-{i}") for i in range(60)]
+        for key in keys:
+            cache.put(key, np.arange(4, dtype=np.float32))
+        held = cache.get(keys[0])
+        for key in keys[1:]:
+            assert cache.get(key) is not None  # dropped at once
+            assert len(cache._views._local) <= 16
+        process_hits = cache.stats()["hits_process"]
+        assert _same(cache.get(keys[0]), np.arange(4, dtype=np.float32))
+        assert cache.stats()["hits_process"] == process_hits + 1
+        del held

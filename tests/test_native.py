@@ -231,6 +231,15 @@ def test_the_pool_keeps_at_most_64_dead_views_mappings_and_256_mib(tmp_path: Pat
         _mapping.Pool(3).__init__(4)  # type: ignore[misc]
 
 
+def test_idle_mappings_are_unmapped_when_a_view_needs_their_room(tmp_path: Path) -> None:
+    path = tmp_path / "arena"
+    with open(path, "wb") as f:
+        f.truncate(300 << 20)  # sparse
+    child = spawn(workers.map_past_idle_mappings, str(path))
+    child.join(60)
+    assert child.exitcode == 0
+
+
 @pytest.mark.parametrize("enabled", [True, False])
 def test_batch_calls_refuse_what_is_not_a_list_of_keys(config: CacheConfig, enabled: bool) -> None:
     with EmbeddingCache(config if enabled else CacheConfig(namespace=config.namespace)) as cache:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
+import resource
 import threading
 import time
 from pathlib import Path
@@ -12,6 +14,7 @@ from typing import Any
 import torch
 
 from shmcache import CacheConfig, EmbeddingCache, EmbeddingCacheKey
+from shmcache.kernel.cowmap import CowMapper
 from shmcache.testing import sample_preprocessing
 
 
@@ -296,3 +299,18 @@ def get_or_compute_until_interrupted(config: CacheConfig, name: str, go: str, ou
             how = "interrupted"
         Path(out + ".tmp").write_text(how)
         os.rename(out + ".tmp", out)
+
+
+def map_past_idle_mappings(path: str) -> None:
+    """(test_native) 60 dead 4 MiB views' mappings kept idle, then an address-space limit that
+    leaves 100 MiB: a 200 MiB view is made once the idle mappings are unmapped for it."""
+    mapper = CowMapper(os.open(path, os.O_RDWR))
+    views = [mapper.view(i << 22, 4 << 20) for i in range(60)]
+    del views
+    gc.collect()
+    assert mapper.idle() == 60
+    with open("/proc/self/status") as status:
+        used = next(int(line.split()[1]) << 10 for line in status if line.startswith("VmSize:"))
+    resource.setrlimit(resource.RLIMIT_AS, (used + (100 << 20), resource.RLIM_INFINITY))
+    large = mapper.view(0, 200 << 20)
+    assert large.nbytes == 200 << 20 and mapper.idle() == 0

@@ -66,7 +66,7 @@ static int Mapping_getbuffer(Mapping *m, Py_buffer *view, int flags) {
     return PyBuffer_FillInfo(view, (PyObject *)m, m->data, m->size, 0, flags);
 }
 
-/* Keep an owner's mapping idle in its pool (reset: its written pages dropped); 0 if it was kept. */
+/* Unmap the pool's oldest idle mapping (there is one). */
 static void drop_oldest(Pool *pool) {
     munmap(pool->idle[0].address, pool->idle[0].length);
     pool->idle_bytes -= pool->idle[0].length;
@@ -74,6 +74,8 @@ static void drop_oldest(Pool *pool) {
     pool->n_idle--;
 }
 
+/* Keep an owner's mapping idle in its pool (reset: its written pages dropped), making room by
+ * unmapping the oldest; 0 if it was kept, -1 if the caller must unmap it. */
 static int keep_idle(Pool *pool, void *address, size_t length, Py_ssize_t from) {
     if (pool->fd < 0 || length > IDLE_BYTES || madvise(address, length, MADV_DONTNEED) != 0) {
         return -1;

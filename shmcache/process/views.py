@@ -5,7 +5,8 @@ mapping (every returned array derives from it, so its mapping is given back only
 view dies, and then enqueues the release of the view pin) and the parsed value format. A repeat
 hit of the same key reuses it without a lock after a lock-free check that (slot, gen) is still
 sealed and unexpired. After the views of an entry died, the parsed head stays: delivering that very
-entry (slot, gen) again skips the head check and the parse.
+entry (slot, gen) again skips the head check and the parse. The newest `REMEMBERED` such dead
+mappings are kept (live ones always), so a process that sees ever new keys holds bounded memory.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import logging
 import threading
 import weakref
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, Final, NamedTuple
 
 import numpy as np
 
@@ -36,6 +37,8 @@ from shmcache.process.reservation import RequestId
 __all__ = ["Views"]
 
 log = logging.getLogger("shmcache")
+
+REMEMBERED: Final = 4096  # dead views' mappings a process remembers (newest first) for re-delivery
 
 
 def _weak(value: Value) -> weakref.ref[Any] | None:
@@ -77,6 +80,7 @@ class Views:
         self._clone = config.return_mode == "clone"
         self._check_views = config.debug_check_views
         self._local: dict[bytes, _Mapping] = {}
+        self._bound = REMEMBERED  # `_local`'s size that makes `_remember` forget dead mappings
         self._lock = threading.Lock()
 
     def pins_for(self, request_id: RequestId | None) -> int:
@@ -168,11 +172,25 @@ class Views:
         mapping = _Mapping(
             slot, gen, sealed.offset, sealed.size, weakref.ref(holder), parsed, _weak(value), record
         )
-        with self._lock:
-            self._local[needle] = mapping
+        self._remember(needle, mapping)
         self._releases.opened()
         self._arena.on_death(holder, self._releases.enqueue, (slot, gen))
         return value
+
+    def _remember(self, needle: bytes, mapping: _Mapping) -> None:
+        """Record `needle`'s live mapping as the newest; past the bound, the oldest dead ones go
+        down to `REMEMBERED`, and the next sweep waits until twice as many are held (each sweep
+        is paid for by the deliveries since the last)."""
+        with self._lock:
+            local = self._local
+            local.pop(needle, None)  # to the end: dicts keep insertion order
+            local[needle] = mapping
+            if len(local) <= self._bound:
+                return
+            excess = len(local) - REMEMBERED
+            for old in [n for n, m in local.items() if m.holder() is None][:excess]:
+                del local[old]
+            self._bound = max(REMEMBERED, 2 * len(local))
 
     def _build(
         self, key: EmbeddingCacheKey, needle: bytes, holder: np.ndarray, sealed: SealedEntry
