@@ -32,6 +32,7 @@ setup(
             "shmcache.node._native", ["shmcache/node/native.c"], libraries=["z"], extra_compile_args=_FLAGS
         ),
         Extension("shmcache.kernel._mapping", ["shmcache/kernel/mapping.c"], extra_compile_args=_FLAGS),
+        Extension("shmcache.keys._native", ["shmcache/keys/native.c"], extra_compile_args=_FLAGS),
     ],
     cmdclass={"build_ext": BuildNative},
 )

@@ -3,11 +3,15 @@ never skips a check a cold one makes)."""
 
 from __future__ import annotations
 
+import gc
+from collections.abc import Callable
+
 import pytest
 import torch
 
 from shmcache import EmbeddingCacheKey
 from shmcache.errors import UnsupportedValue
+from shmcache.keys._native import Header
 from shmcache.testing import sample_preprocessing
 
 
@@ -39,3 +43,58 @@ def test_a_salt_is_checked_whether_or_not_a_header_is_memoised() -> None:
     with pytest.raises(UnsupportedValue):  # equal to b"s", and still not a salt
         EmbeddingCacheKey.from_raw_bytes(b"x", config, modality="image", tenant_salt=memoryview(b"s"))
     assert EmbeddingCacheKey.from_raw_bytes(b"x", config, modality="image", tenant_salt="s") == made
+
+
+def test_from_raw_bytes_takes_its_arguments_as_a_python_signature_would() -> None:
+    """`from_raw_bytes` is one native call (keys/native.c): the same keys whichever way the
+    arguments come, and Python's own TypeErrors for arguments that do not fit the signature."""
+    config = sample_preprocessing()
+    made = EmbeddingCacheKey.from_raw_bytes(b"abc", config, modality="image")
+    assert made.hex == "073ec4c8f23b174346115504c0492f38"  # pinned above
+    assert EmbeddingCacheKey.from_raw_bytes(data=b"abc", config=config, modality="image") == made
+    assert EmbeddingCacheKey.from_raw_bytes(b"abc", config=config, modality="image", tenant_salt=None) == made
+    assert EmbeddingCacheKey.from_raw_bytes(bytearray(b"abc"), config, modality="image") == made
+    assert EmbeddingCacheKey.from_raw_bytes(memoryview(b"xabc")[1:], config, modality="image") == made
+    make = EmbeddingCacheKey.from_raw_bytes
+    odd: list[tuple[Callable[[], object], str]] = [
+        (lambda: make(b"abc", config), "missing 1 required keyword-only argument: 'modality'"),
+        (lambda: make(b"abc", modality="image"), "missing 1 required positional argument: 'config'"),
+        (lambda: make(b"abc", config, "image"), "takes 3 positional arguments but 4 were given"),
+        (lambda: make(b"abc", config, modality="image", salt="s"), "unexpected keyword argument 'salt'"),
+        (lambda: make(b"abc", config, data=b"abc", modality="image"), "multiple values for argument 'data'"),
+    ]  # fmt: skip
+    for call, message in odd:
+        with pytest.raises(TypeError, match=message):
+            call()
+    with pytest.raises(UnsupportedValue, match="C-contiguous"):
+        EmbeddingCacheKey.from_raw_bytes(memoryview(b"abcdef")[::2], config, modality="image")
+    with pytest.raises(UnsupportedValue, match="got str"):
+        EmbeddingCacheKey.from_raw_bytes("abc", config, modality="image")  # type: ignore[arg-type]
+    released = memoryview(b"abc")
+    released.release()
+    with pytest.raises(ValueError, match="released"):
+        EmbeddingCacheKey.from_raw_bytes(released, config, modality="image")
+
+
+def test_a_subclass_makes_keys_of_its_own_class() -> None:
+    class TaggedKey(EmbeddingCacheKey):
+        __slots__ = ()
+
+    config = sample_preprocessing()
+    for make in (TaggedKey.from_raw_bytes, EmbeddingCacheKey.from_raw_bytes):
+        made = make(b"abc", config, modality="image")
+        assert made.hex == "073ec4c8f23b174346115504c0492f38"
+    assert type(TaggedKey.from_raw_bytes(b"abc", config, modality="image")) is TaggedKey
+    assert type(TaggedKey.from_external_id("id", config, source="s", modality="image")) is TaggedKey
+
+
+def test_the_memo_of_headers_is_bounded() -> None:
+    """A header is memoised per (algorithm, kind, modality, config, salt); a tenant per request
+    must not grow it without end: it is emptied past 4096 entries (keys/native.c)."""
+    config = sample_preprocessing()
+    first = EmbeddingCacheKey.from_raw_bytes(b"x", config, modality="image", tenant_salt="tenant-0")
+    for i in range(6000):
+        EmbeddingCacheKey.from_raw_bytes(b"x", config, modality="image", tenant_salt=f"tenant-{i}")
+    gc.collect()
+    assert sum(type(held) is Header for held in gc.get_objects()) <= 4096
+    assert EmbeddingCacheKey.from_raw_bytes(b"x", config, modality="image", tenant_salt="tenant-0") == first

@@ -5,8 +5,10 @@ algorithm, the namespace (raw bytes / decoded tensor / token prefix), the modali
 `EncoderPreprocessingConfig` field and the optional tenant salt (all of it memoised as the digest of
 that framed header), then the dtype and shape (tensors) or the parent (token prefixes), then the
 content's length and its full-width digest under the same algorithm, so the content, the only large
-part, is hashed once at the hash function's full speed. The three namespaces are explicit
-constructors, never chosen automatically. Digests are full width (16 bytes for xxh3_128, 32 for
+part, is hashed once at the hash function's full speed. The per-key work (the memo lookup, the
+digest composition, the key object, and all of `from_raw_bytes`) is one native call (native.c);
+what runs once per header is here. The namespaces are explicit constructors, never chosen
+automatically. Digests are full width (16 bytes for xxh3_128, 32 for
 blake3 and sha256) and identical across processes and interpreter runs.
 
 The dtype and the full shape of a tensor are hashed, 0-d included (a 0-d array never shares a key
@@ -22,12 +24,13 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Final, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal, Self
 
 import numpy as np
 import xxhash
 
 from shmcache.errors import InvalidKey, KeyTypeError, UnsupportedValue
+from shmcache.keys import _native
 from shmcache.keys.framing import frame
 from shmcache.keys.preprocessing import EncoderPreprocessingConfig
 from shmcache.keys.text import short_repr, utf8
@@ -56,10 +59,8 @@ MODALITIES: Final[tuple[str, ...]] = ("image", "video", "audio")
 KeyKind = Literal["raw", "tensor", "token_prefix", "external"]
 KEY_KINDS: Final[tuple[str, ...]] = ("raw", "tensor", "token_prefix", "external")
 
-_LEN_AND_DIGEST = struct.Struct("<BQ")
 RECORD_HEAD: Final = struct.Struct("<BB14x")  # a key record: algorithm index, digest length; digest at +16
 RECORD_SIZE: Final = RECORD_HEAD.size + 32
-_BYTES: Final = (bytes, bytearray)  # a tuple: isinstance with it is 4x faster than with bytes | bytearray
 
 
 def _blake3(data: Any) -> bytes:
@@ -79,66 +80,22 @@ _ONE_SHOT: Final[dict[str, Callable[[Any], bytes]]] = {
 }
 
 
-class _Header:
-    """The memoised key header of one (algorithm, namespace, modality, config, salt): the framed
-    digest of the header and the canonical parts; makes the keys built with it."""
-
-    __slots__ = ("algorithm", "config", "framed", "hash_fn", "modality")
-
-    def __init__(
-        self,
-        config: EncoderPreprocessingConfig,
-        hash_fn: Callable[[Any], bytes],
-        framed: bytes,
-        parts: tuple[str, str],
-    ) -> None:
-        self.config, self.hash_fn, self.framed = config, hash_fn, framed  # holds config: its id stays unique
-        self.algorithm, self.modality = parts
-
-    def key(
-        self, cls: type[EmbeddingCacheKey], content: Any, nbytes: int, extra: bytes, kind: str
-    ) -> EmbeddingCacheKey:
-        """The key of `content`: H(frame(H(header)) || extra || frame(len(content), H(content))), so
-        the content, the only large part, is hashed once at the hash function's full speed."""
-        hash_fn = self.hash_fn
-        tail = _LEN_AND_DIGEST.pack(_CONTENT_TAG, nbytes)
-        digest = hash_fn(b"".join((self.framed, extra, tail, hash_fn(content))))
-        key = _new_key(cls)
-        _set_parts(key, (self.algorithm, digest, self.modality, kind))
-        return key
-
-
-_MEMO_SALTS: Final = (type(None), str, bytes)
-_headers: dict[tuple[object, str, object, int, type, object], _Header] = {}
-
-
-def _header(
-    algorithm: str, kind: str, modality: str, config: EncoderPreprocessingConfig, tenant_salt: object
-) -> _Header:
-    """The header for these settings, memoised by the arguments as given (a miss validates them).
+def _build_header(
+    algorithm: object, kind: str, modality: object, config: object, tenant_salt: object
+) -> _native.Header:
+    """The key header for these settings, validated (native.c memoises it: `_native.header`).
 
     The header frames the key schema version, the algorithm, the namespace, the modality, every
     config field and the salt; its full-width digest stands for it in every key made with it.
     """
-    memo = (algorithm, kind, modality, id(config), type(tenant_salt), tenant_salt)  # "s" is not b"s"
-    try:
-        found = _headers.get(memo)
-    except TypeError:  # an unhashable argument: refused below
-        found = None
-    if found is not None and found.config is config:
-        return found
     if not isinstance(config, EncoderPreprocessingConfig):
         raise UnsupportedValue(f"config must be an EncoderPreprocessingConfig, got {type(config).__name__}")
-    parts = (_known("hash algorithm", algorithm, HASH_ALGORITHMS), _known("modality", modality, MODALITIES))
-    hash_fn = _ONE_SHOT[parts[0]]
-    header = frame(("shmcache-key", KEY_SCHEMA_VERSION, parts[0], kind, parts[1]))
+    algorithm = _known("hash algorithm", algorithm, HASH_ALGORITHMS)
+    modality = _known("modality", modality, MODALITIES)
+    hash_fn = _ONE_SHOT[algorithm]
+    header = frame(("shmcache-key", KEY_SCHEMA_VERSION, algorithm, kind, modality))
     header += config.framed() + frame(_salt_bytes(tenant_salt))
-    found = _Header(config, hash_fn, frame(hash_fn(header)), parts)
-    if len(_headers) > 4096:
-        _headers.clear()
-    if type(tenant_salt) in _MEMO_SALTS:  # subclasses are converted every time
-        _headers[memo] = found
-    return found
+    return _native.Header(config, hash_fn, frame(hash_fn(header)), algorithm, modality)
 
 
 def _known(what: str, value: object, allowed: tuple[str, ...]) -> str:
@@ -160,9 +117,6 @@ def _salt_bytes(tenant_salt: object) -> bytes | None:
     if isinstance(tenant_salt, bytes):
         return bytes(tenant_salt)
     raise UnsupportedValue(f"tenant_salt must be str, bytes or None, got {type(tenant_salt).__name__}")
-
-
-_CONTENT_TAG = 0xC0
 
 
 class EmbeddingCacheKey:
@@ -190,28 +144,21 @@ class EmbeddingCacheKey:
             raise InvalidKey(f"{algorithm} digests are {expected} bytes, got {len(digest)}")
         _set_parts(self, (algorithm, bytes(digest), modality, kind))
 
-    @classmethod
-    def from_raw_bytes(
-        cls,
-        data: bytes | bytearray | memoryview,
-        config: EncoderPreprocessingConfig,
-        *,
-        modality: Modality,
-        algorithm: HashAlgorithm = "xxh3_128",
-        tenant_salt: str | bytes | None = None,
-    ) -> EmbeddingCacheKey:
-        """Key of an input's raw bytes (the encoded image / audio file as received)."""
-        if isinstance(data, _BYTES):
-            nbytes = len(data)
-        elif isinstance(data, memoryview):
-            if not data.c_contiguous:
-                raise UnsupportedValue("from_raw_bytes needs a C-contiguous buffer")
-            nbytes = data.nbytes
-        else:
-            raise UnsupportedValue(
-                f"from_raw_bytes takes bytes, bytearray or memoryview, got {type(data).__name__}"
-            )
-        return _header(algorithm, "raw", modality, config, tenant_salt).key(cls, data, nbytes, b"", "raw")
+    if TYPE_CHECKING:  # the signature native.c parses
+
+        @classmethod
+        def from_raw_bytes(
+            cls,
+            data: bytes | bytearray | memoryview,
+            config: EncoderPreprocessingConfig,
+            *,
+            modality: Modality,
+            algorithm: HashAlgorithm = "xxh3_128",
+            tenant_salt: str | bytes | None = None,
+        ) -> Self:
+            """Key of an input's raw bytes (the encoded image / audio file as received)."""
+    else:
+        from_raw_bytes = classmethod(_native.from_raw_bytes)  # one native call (native.c)
 
     @classmethod
     def from_decoded_tensor(
@@ -231,7 +178,7 @@ class EmbeddingCacheKey:
         from shmcache.keys.dtypes import tensor_bytes
 
         dtype_name, shape, content = tensor_bytes(tensor)
-        header = _header(algorithm, "tensor", modality, config, tenant_salt)
+        header = _native.header(algorithm, "tensor", modality, config, tenant_salt)
         return header.key(cls, content, content.nbytes, frame((dtype_name, shape)), "tensor")
 
     @classmethod
@@ -266,7 +213,7 @@ class EmbeddingCacheKey:
         if tokens.size and (tokens.dtype.kind == "u" and tokens.max() > np.iinfo(np.int64).max):
             raise UnsupportedValue("token ids must fit in int64")
         content = np.ascontiguousarray(tokens, dtype="<i8")
-        header = _header(algorithm, "token_prefix", modality, config, tenant_salt)
+        header = _native.header(algorithm, "token_prefix", modality, config, tenant_salt)
         framed_parent = frame(parent_bytes)
         return header.key(cls, content.view(np.uint8).data, content.nbytes, framed_parent, "token_prefix")
 
@@ -297,7 +244,7 @@ class EmbeddingCacheKey:
             framed_source = frame(source)
         except UnicodeEncodeError:
             raise InvalidKey("identifier and source must be valid text (no lone surrogates)") from None
-        header = _header(algorithm, "external", modality, config, tenant_salt)
+        header = _native.header(algorithm, "external", modality, config, tenant_salt)
         return header.key(cls, content, len(content), framed_source, "external")
 
     @property
@@ -356,9 +303,9 @@ class EmbeddingCacheKey:
         return f"EmbeddingCacheKey({kind}/{modality} {algorithm}:{self.hex[:16]}…)"
 
 
-_new_key = object.__new__
 # the slot's own descriptor setter: bypasses the __setattr__ that makes keys immutable
 _set_parts: Callable[[EmbeddingCacheKey, tuple[str, bytes, str, str]], None] = vars(EmbeddingCacheKey)[
     "_parts"
 ].__set__
 _set_record: Callable[[EmbeddingCacheKey, bytes], None] = vars(EmbeddingCacheKey)["_record"].__set__
+_native.bind(_build_header, vars(EmbeddingCacheKey)["_parts"], UnsupportedValue)
