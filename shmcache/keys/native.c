@@ -195,9 +195,13 @@ static int same_as_last(PyObject *algorithm, PyObject *kind, PyObject *modality,
 
 static void remember(PyObject *algorithm, PyObject *kind, PyObject *modality, PyObject *config, PyObject *salt,
                      PyObject *header) {
-    PyObject *now[6] = {algorithm, kind, modality, config, salt, header};
+    PyObject *now[6] = {algorithm, kind, modality, config, salt, header}, *old[6];
+    for (int i = 0; i < 6; i++) { /* all six are set before a decref can run any code */
+        old[i] = last[i];
+        last[i] = Py_NewRef(now[i]);
+    }
     for (int i = 0; i < 6; i++) {
-        Py_XSETREF(last[i], Py_NewRef(now[i]));
+        Py_XDECREF(old[i]);
     }
 }
 
