@@ -4,6 +4,7 @@ never skips a check a cold one makes)."""
 from __future__ import annotations
 
 import gc
+import threading
 from collections.abc import Callable
 
 import pytest
@@ -98,3 +99,30 @@ def test_the_memo_of_headers_is_bounded() -> None:
     gc.collect()
     assert sum(type(held) is Header for held in gc.get_objects()) <= 4096
     assert EmbeddingCacheKey.from_raw_bytes(b"x", config, modality="image", tenant_salt="tenant-0") == first
+
+
+def test_keys_made_from_many_threads_are_the_keys_made_alone() -> None:
+    """Threads interleave inside the memo (a new header is built in Python, where the GIL may
+    switch): the answer kept for the last arguments must never be another settings' header."""
+    configs = [sample_preprocessing(model_revision=f"r{i}") for i in range(3)]
+    settings = [(config, salt) for config in configs for salt in (None, "a", b"b", "c")]
+    alone = [EmbeddingCacheKey.from_raw_bytes(b"x", c, modality="image", tenant_salt=s) for c, s in settings]
+    assert len(set(alone)) == len(settings)
+    wrong: list[int] = []
+    make_key = EmbeddingCacheKey.from_raw_bytes
+
+    def make(offset: int) -> None:
+        for i in range(3000):
+            at = (i + offset) % len(settings)
+            config, salt = settings[at]
+            if i % 500 == 0:  # new headers, built in Python, interleave with memoised ones
+                make_key(b"x", config, modality="image", tenant_salt=f"new-{offset}-{i}")
+            if make_key(b"x", config, modality="image", tenant_salt=salt) != alone[at]:
+                wrong.append(at)
+
+    threads = [threading.Thread(target=make, args=(offset,)) for offset in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert wrong == []
