@@ -105,7 +105,7 @@ def test_keys_made_from_many_threads_are_the_keys_made_alone() -> None:
     """Threads interleave inside the memo (a new header is built in Python, where the GIL may
     switch): the answer kept for the last arguments must never be another settings' header."""
     configs = [sample_preprocessing(model_revision=f"r{i}") for i in range(3)]
-    settings = [(config, salt) for config in configs for salt in (None, "a", b"b", "c")]
+    settings = [(config, salt) for salt in (None, "a", b"b", "c") for config in configs]
     alone = [EmbeddingCacheKey.from_raw_bytes(b"x", c, modality="image", tenant_salt=s) for c, s in settings]
     assert len(set(alone)) == len(settings)
     wrong: list[int] = []
