@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 
 from shmcache import CacheConfig, EmbeddingCache, destroy_namespace
+from shmcache.remote import lease
 from shmcache.remote.lease import LEASE_SUFFIX
-from shmcache.remote.store import remote_key
+from shmcache.remote.store import RemoteStore, remote_key
 from shmcache.testing import MooncakeHolder, MooncakeMaster
 from tests import workers
 from tests.helpers import kill, spawn, wait_for
@@ -280,3 +281,21 @@ def test_a_lease_our_node_took_is_taken_over_at_once_when_its_taker_died(
         assert fingerprint(value) == fingerprint(expected_value("k"))
         assert cache.stats()["takeovers"] == 1 and cache.stats()["puts"] == 1
         del value
+
+
+def test_a_lease_near_its_deadline_is_left_to_expire(shmcache_mooncake: MooncakeMaster) -> None:
+    """Mooncake has no compare-and-remove: between the holder's read of its lease and its remove,
+    a waiter past the deadline may put its own lease there, and the remove would take that one
+    away (a third node would then compute too). A lease within `RELEASE_MARGIN_S` of its deadline
+    is left to expire; one further off is removed."""
+    store = RemoteStore(remote_config("unused", shmcache_mooncake.address), lambda counter, n: None)
+    try:
+        near = lease.try_hold(store, "near", lease.RELEASE_MARGIN_S / 2, "our-node")
+        far = lease.try_hold(store, "far", 60.0, "our-node")
+        assert near is not None and far is not None
+        lease.release(store, lease.Lease("near", near))
+        lease.release(store, lease.Lease("far", far))
+        assert store.get_bytes("near" + LEASE_SUFFIX) == near  # a waiter takes it over at its deadline
+        assert store.get_bytes("far" + LEASE_SUFFIX) is None
+    finally:
+        store.close()

@@ -17,7 +17,10 @@ node reservation of a key and found no copy in the store:
    its own token: it computes. A holder that dies mid-compute thus costs one takeover, bounded
    by `compute_timeout_s`; two waiters taking over at once may both compute (still one per node).
 4. A holder whose compute fails, or whose publish is dropped or fails, removes its lease too, so
-   a waiter takes over at once.
+   a waiter takes over at once. Mooncake has no compare-and-remove, so a removal reads the lease
+   first and removes it only if it is still ours and more than `RELEASE_MARGIN_S` from its
+   deadline: past that, a waiter may be taking it over between our read and our remove, and
+   removing its new lease would let yet another node compute. Such a lease is left to expire.
 5. A lease that bears our own node's tag is never waited for: we hold the key's node
    reservation, so the process of our node that took the lease no longer does (it died, with
    every process of the node if the namespace was wiped since): we take it over at once, where
@@ -50,6 +53,7 @@ __all__ = ["LEASE_SUFFIX", "Lease", "hold_or_wait", "node_tag", "release", "try_
 LEASE_SUFFIX: Final = "@lease"
 POLL_S: Final = 0.05
 READ_S: Final = 2.0
+RELEASE_MARGIN_S: Final = 2.0  # a lease this close to its deadline is left to expire (step 4)
 
 
 class Lease(NamedTuple):
@@ -147,7 +151,7 @@ def _read(store: RemoteStore, lease: str) -> bytes | None:
 
 
 def release(store: RemoteStore, held: Lease) -> None:
-    """Remove our lease `held`, if it is still ours."""
+    """Remove our lease `held`, if it is still ours and not about to be taken over (step 4)."""
     lease = held.name + LEASE_SUFFIX
-    if store.get_bytes(lease) == held.token:
-        store.remove(lease)
+    if store.get_bytes(lease) == held.token and time.time() + RELEASE_MARGIN_S < _deadline(held.token):
+        store.remove(lease)  # the deadline is looked at after the read: the remove follows at once
