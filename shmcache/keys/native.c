@@ -218,7 +218,8 @@ static PyObject *header_of(PyObject *algorithm, PyObject *kind, PyObject *modali
         return NULL;
     }
     PyObject *id = PyLong_FromVoidPtr(config);
-    PyObject *memo_key = id == NULL ? NULL : PyTuple_Pack(6, algorithm, kind, modality, id, (PyObject *)Py_TYPE(salt), salt);
+    PyObject *salt_type = (PyObject *)Py_TYPE(salt); /* "s" and b"s" are told apart */
+    PyObject *memo_key = id == NULL ? NULL : PyTuple_Pack(6, algorithm, kind, modality, id, salt_type, salt);
     Py_XDECREF(id);
     if (memo_key == NULL) {
         return NULL;
@@ -232,9 +233,10 @@ static PyObject *header_of(PyObject *algorithm, PyObject *kind, PyObject *modali
         PyErr_Clear();
     }
     if (found != NULL && ((Header *)found)->config == config) {
+        Py_INCREF(found); /* ours before `remember` may run code (a decref) that changes the memo */
         Py_DECREF(memo_key);
         remember(algorithm, kind, modality, config, salt, found);
-        return Py_NewRef(found);
+        return found;
     }
     PyObject *made = PyObject_CallFunctionObjArgs(build, algorithm, kind, modality, config, salt, NULL);
     if (made != NULL && !PyObject_TypeCheck(made, &HeaderType)) {
