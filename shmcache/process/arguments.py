@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from shmcache.errors import ArgumentTypeError, InvalidKey, RequestIdTypeError
@@ -51,3 +52,8 @@ def needle(key: Any, algorithm: str) -> bytes:
     if key.algorithm != algorithm:
         raise InvalidKey(f"key uses {key.algorithm}, this cache is configured for {algorithm}")
     return needle_of(key)
+
+
+def needles(keys: Sequence[Any], algorithm: str) -> list[bytes]:
+    """`needle` of each of `keys`, in order."""
+    return [needle(key, algorithm) for key in keys]

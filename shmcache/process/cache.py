@@ -143,7 +143,7 @@ class EmbeddingCache:
             return [None] * len(keys)
         arguments.check_request(request_id)
         self._index()
-        return self._views.lookup_many(keys, [self._needle(key) for key in keys], request_id)
+        return self._views.lookup_many(keys, arguments.needles(keys, self.config.hash_algorithm), request_id)
 
     def put(self, key: EmbeddingCacheKey, value: Value, request_id: RequestId | None = None) -> None:
         """Store `value` under `key`. The first writer wins: an existing or in-flight entry is kept.
@@ -228,7 +228,7 @@ class EmbeddingCache:
             return [Reservation(None, key, request_id) for key in keys]
         arguments.check_request(request_id)
         self._index()
-        return self._claims.claim_many(keys, [self._needle(key) for key in keys], request_id)
+        return self._claims.claim_many(keys, arguments.needles(keys, self.config.hash_algorithm), request_id)
 
     def adopt(
         self, ticket: ReservationTicket, key: EmbeddingCacheKey, request_id: RequestId | None = None
@@ -254,7 +254,7 @@ class EmbeddingCache:
         arguments.check_keys(keys)
         if not self._enabled:
             return [False] * len(keys)
-        return self._index().lookups.contains_many([self._needle(key) for key in keys])
+        return self._index().lookups.contains_many(arguments.needles(keys, self.config.hash_algorithm))
 
     def hold(self, key: EmbeddingCacheKey, request_id: RequestId) -> bool:
         """Reference `key`'s entry for `request_id` (until `cleanup_request`), no view, no hit

@@ -40,10 +40,10 @@ class Releases:
         self._thread = threading.Thread(target=self._run, name="shmcache-release", daemon=True)
         self._thread.start()
 
-    def opened(self) -> None:
-        """One more live mapping (its death will `enqueue` it)."""
+    def opened(self, count: int) -> None:
+        """`count` more live mappings (each one's death will `enqueue` it)."""
         with self._lock:
-            self._live += 1
+            self._live += count
 
     def enqueue(self, pin: tuple[int, int]) -> None:
         """The death callback of a view's mapping: the mapping of (slot, gen) died."""

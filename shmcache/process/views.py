@@ -62,6 +62,15 @@ class _Mapping(NamedTuple):
     aliases: GpuRecord | None = None  # the template aliases this exporter's device memory
 
 
+class _Kept(NamedTuple):
+    """A view just delivered, before `Views._keep` records it: its needle, its mapping's record
+    and the view's holder array (held here, so it cannot die before its death is watched)."""
+
+    needle: bytes
+    mapping: _Mapping
+    holder: np.ndarray
+
+
 class Views:
     """Builds returned values over the arena and serves repeat hits from live mappings."""
 
@@ -118,12 +127,16 @@ class Views:
                 [(sealed.slot, sealed.gen) for sealed in found if sealed is not None for _ in range(pins)]
             )
             raise
-        for n, ((i, sealed), holder) in enumerate(zip(hits, holders, strict=True)):
-            try:
-                out[i] = self.deliver(keys[i], needles[i], sealed, request_id, holder)
-            except BaseException:  # the hits not yet delivered give their pins back
-                node.release([(hit.slot, hit.gen) for _, hit in hits[n + 1 :] for _ in range(pins)])
-                raise
+        kept: list[_Kept] = []
+        try:
+            for n, ((i, sealed), holder) in enumerate(zip(hits, holders, strict=True)):
+                try:
+                    out[i] = self._deliver(keys[i], needles[i], sealed, request_id, holder, kept)
+                except BaseException:  # the hits not yet delivered give their pins back
+                    node.release([(hit.slot, hit.gen) for _, hit in hits[n + 1 :] for _ in range(pins)])
+                    raise
+        finally:
+            self._keep(kept)  # once for the batch: one lock, one count
         return out
 
     def hold(self, needle: bytes, request_id: RequestId) -> bool:
@@ -135,16 +148,28 @@ class Views:
         return True
 
     def deliver(
+        self, key: EmbeddingCacheKey, needle: bytes, sealed: SealedEntry, request_id: RequestId | None
+    ) -> Value | None:
+        """Turn an entry pinned `pins_for(request_id)` times into the returned value; None (pins
+        given back, entry dropped) if it fails verification."""
+        kept: list[_Kept] = []
+        try:
+            return self._deliver(key, needle, sealed, request_id, None, kept)
+        finally:
+            self._keep(kept)
+
+    def _deliver(
         self,
         key: EmbeddingCacheKey,
         needle: bytes,
         sealed: SealedEntry,
         request_id: RequestId | None,
-        holder: np.ndarray | None = None,
+        holder: np.ndarray | None,
+        kept: list[_Kept],
     ) -> Value | None:
-        """Turn an entry pinned `pins_for(request_id)` times into the returned value (over
-        `holder`, its view made by `view_many`, or a view made here); None (pins given back,
-        entry dropped) if it fails verification."""
+        """`deliver` over `holder` (its view made by `view_many`, or None: a view made here); a
+        view mapping's record is appended to `kept`, for the caller's `_keep` (which must follow,
+        whatever happens: the record holds the mapping alive until its death is watched)."""
         node, slot, gen = self._node, sealed.slot, sealed.gen
         # a copy-on-write mapping of the entry (no write reaches the node's copy), made straight
         # as an array (not sliced from another), so that every array derived from it keeps it as
@@ -172,25 +197,29 @@ class Views:
         mapping = _Mapping(
             slot, gen, sealed.offset, sealed.size, weakref.ref(holder), parsed, _weak(value), record
         )
-        self._remember(needle, mapping)
-        self._releases.opened()
-        self._arena.on_death(holder, self._releases.enqueue, (slot, gen))
+        kept.append(_Kept(needle, mapping, holder))
         return value
 
-    def _remember(self, needle: bytes, mapping: _Mapping) -> None:
-        """Record `needle`'s live mapping as the newest; past the bound, the oldest dead ones go
-        down to `REMEMBERED`, and the next sweep waits until twice as many are held (each sweep
-        is paid for by the deliveries since the last)."""
+    def _keep(self, kept: list[_Kept]) -> None:
+        """Remember each delivered view's mapping as the newest of its needle, count the views
+        live, and have each mapping's death release its view pin. Past the bound, the oldest dead
+        mappings go down to `REMEMBERED`, and the next sweep waits until twice as many are held
+        (each sweep is paid for by the deliveries since the last)."""
+        if not kept:
+            return
         with self._lock:
             local = self._local
-            local.pop(needle, None)  # to the end: dicts keep insertion order
-            local[needle] = mapping
-            if len(local) <= self._bound:
-                return
-            excess = len(local) - REMEMBERED
-            for old in [n for n, m in local.items() if m.holder() is None][:excess]:
-                del local[old]
-            self._bound = max(REMEMBERED, 2 * len(local))
+            for needle, mapping, _ in kept:
+                local.pop(needle, None)  # to the end: dicts keep insertion order
+                local[needle] = mapping
+            if len(local) > self._bound:
+                excess = len(local) - REMEMBERED
+                for old in [n for n, m in local.items() if m.holder() is None][:excess]:
+                    del local[old]
+                self._bound = max(REMEMBERED, 2 * len(local))
+        self._releases.opened(len(kept))
+        for _, mapping, holder in kept:
+            self._arena.on_death(holder, self._releases.enqueue, (mapping.slot, mapping.gen))
 
     def _build(
         self, key: EmbeddingCacheKey, needle: bytes, holder: np.ndarray, sealed: SealedEntry
