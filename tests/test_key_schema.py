@@ -13,6 +13,7 @@ import torch
 from shmcache import EmbeddingCacheKey
 from shmcache.errors import UnsupportedValue
 from shmcache.keys._native import Header
+from shmcache.keys._native import header as header_of
 from shmcache.testing import sample_preprocessing
 
 
@@ -87,6 +88,9 @@ def test_a_subclass_makes_keys_of_its_own_class() -> None:
         assert made.hex == "073ec4c8f23b174346115504c0492f38"
     assert type(TaggedKey.from_raw_bytes(b"abc", config, modality="image")) is TaggedKey
     assert type(TaggedKey.from_external_id("id", config, source="s", modality="image")) is TaggedKey
+    header = header_of("xxh3_128", "raw", "image", config, None)
+    with pytest.raises(TypeError, match="keys are made as EmbeddingCacheKey, not dict"):
+        header.key(dict, b"abc", 3, b"", "raw")  # type: ignore[type-var]
 
 
 def test_the_memo_of_headers_is_bounded() -> None:

@@ -70,6 +70,9 @@ static PyObject *Header_new(PyTypeObject *type, PyObject *args, PyObject *kwargs
 static int Header_traverse(Header *self, visitproc visit, void *arg) {
     Py_VISIT(self->config);
     Py_VISIT(self->hash_fn);
+    Py_VISIT(self->framed);
+    Py_VISIT(self->algorithm);
+    Py_VISIT(self->modality);
     return 0;
 }
 
@@ -102,6 +105,15 @@ static PyObject *digest_of(PyObject *hash_fn, PyObject *data) {
  * object.__new__(cls) makes one, its `_parts` set through the slot's own descriptor. */
 static PyObject *compose(Header *header, PyObject *cls, PyObject *content, Py_ssize_t nbytes, PyObject *extra,
                          PyObject *kind) {
+    if (header->hash_fn == NULL || header->framed == NULL) {
+        PyErr_SetString(PyExc_ValueError, "this Header was cleared");
+        return NULL;
+    }
+    if (!PyType_IsSubtype((PyTypeObject *)cls, PyDescr_TYPE(parts_slot))) {
+        PyErr_Format(PyExc_TypeError, "keys are made as %.100s, not %.100s", PyDescr_TYPE(parts_slot)->tp_name,
+                     ((PyTypeObject *)cls)->tp_name);
+        return NULL;
+    }
     PyObject *inner = digest_of(header->hash_fn, content);
     if (inner == NULL) {
         return NULL;
@@ -288,7 +300,7 @@ static int raw_index(PyObject *name) {
     return A_COUNT;
 }
 
-/* Python's own argument errors for from_raw_bytes(cls, data, config, /, *, modality, ...). */
+/* Python's own argument errors for from_raw_bytes(cls, /, data, config, *, modality, ...). */
 static int raw_arguments(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, PyObject **given) {
     if (nargs > RAW_POSITIONAL) {
         PyErr_Format(PyExc_TypeError, "from_raw_bytes() takes %d positional arguments but %zd were given",
@@ -376,9 +388,9 @@ static PyObject *native_from_raw_bytes(PyObject *Py_UNUSED(module), PyObject *co
 /* ---- binding ------------------------------------------------------------------------------ */
 
 static PyObject *native_bind(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3 || !PyCallable_Check(args[0]) || Py_TYPE(args[1])->tp_descr_set == NULL ||
+    if (nargs != 3 || !PyCallable_Check(args[0]) || !PyObject_TypeCheck(args[1], &PyMemberDescr_Type) ||
         !PyExceptionClass_Check(args[2])) {
-        PyErr_SetString(PyExc_TypeError, "bind(build_header, parts_slot, UnsupportedValue)");
+        PyErr_SetString(PyExc_TypeError, "bind(build_header, parts_slot: a slot's member descriptor, UnsupportedValue)");
         return NULL;
     }
     Py_XSETREF(build, Py_NewRef(args[0]));

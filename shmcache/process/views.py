@@ -201,12 +201,19 @@ class Views:
         return value
 
     def _keep(self, kept: list[_Kept]) -> None:
-        """Remember each delivered view's mapping as the newest of its needle, count the views
-        live, and have each mapping's death release its view pin. Past the bound, the oldest dead
+        """Have each delivered view's death release its view pin (counted live until then), and
+        remember its mapping as the newest of its needle. Past the bound, the oldest dead
         mappings go down to `REMEMBERED`, and the next sweep waits until twice as many are held
         (each sweep is paid for by the deliveries since the last)."""
         if not kept:
             return
+        watched = 0  # first the pins' safety: each holder is alive in `kept` until it is watched
+        try:
+            for _, mapping, holder in kept:
+                self._arena.on_death(holder, self._releases.enqueue, (mapping.slot, mapping.gen))
+                watched += 1
+        finally:
+            self._releases.opened(watched)
         with self._lock:
             local = self._local
             for needle, mapping, _ in kept:
@@ -217,9 +224,6 @@ class Views:
                 for old in [n for n, m in local.items() if m.holder() is None][:excess]:
                     del local[old]
                 self._bound = max(REMEMBERED, 2 * len(local))
-        self._releases.opened(len(kept))
-        for _, mapping, holder in kept:
-            self._arena.on_death(holder, self._releases.enqueue, (mapping.slot, mapping.gen))
 
     def _build(
         self, key: EmbeddingCacheKey, needle: bytes, holder: np.ndarray, sealed: SealedEntry

@@ -21,6 +21,8 @@ node reservation of a key and found no copy in the store:
    first and removes it only if it is still ours and more than `RELEASE_MARGIN_S` from its
    deadline: past that, a waiter may be taking it over between our read and our remove, and
    removing its new lease would let yet another node compute. Such a lease is left to expire.
+   The margin holds while the nodes' clocks agree to within it, less the remove's latency (with
+   `compute_timeout_s` under the margin a lease is never removed: waiters wait its deadline).
 5. A lease that bears our own node's tag is never waited for: we hold the key's node
    reservation, so the process of our node that took the lease no longer does (it died, with
    every process of the node if the namespace was wiped since): we take it over at once, where
