@@ -89,7 +89,7 @@ class Views:
         self._clone = config.return_mode == "clone"
         self._check_views = config.debug_check_views
         self._local: dict[bytes, _Mapping] = {}
-        self._bound = REMEMBERED  # `_local`'s size that makes `_remember` forget dead mappings
+        self._bound = REMEMBERED  # `_local`'s size that makes `_keep` forget dead mappings
         self._lock = threading.Lock()
 
     def pins_for(self, request_id: RequestId | None) -> int:
