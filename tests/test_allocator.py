@@ -1,4 +1,5 @@
-"""The arena's first-fit allocator over a racy snapshot of extents, and what that snapshot sees."""
+"""The arena's first-fit allocator over a racy snapshot of extents, what that snapshot sees, and
+what a full stripe gives up for a new key."""
 
 from __future__ import annotations
 
@@ -114,3 +115,30 @@ def test_arena_pressure_evicts_an_expired_entry_as_a_ttl_eviction(namespace: str
         assert all(cache.get(key_of(name)) is not None for name in "bcd")
         stats = cache.stats()
         assert (stats["entries"], stats["evictions_lru"], stats["evictions_ttl"]) == (3, 0, 1)
+
+
+_SMALL = np.ones(1, dtype=np.uint8)
+
+
+def test_a_full_stripe_evicts_the_expired_first_and_quarantines_a_damaged_record(
+    namespace: str,
+) -> None:
+    config = sample_cache_config(
+        namespace, capacity_bytes=8 << 20, max_entries=4, ways=4, return_mode="clone", ttl_s=0.3
+    )  # one stripe of four ways: a fifth key evicts
+    with EmbeddingCache(config) as cache:
+        cache.put(key_of("a"), _SMALL)
+        time.sleep(0.35)  # a expired
+        for name in "bcd":
+            cache.put(key_of(name), _SMALL)
+            time.sleep(0.002)
+        cache.put(key_of("e"), _SMALL)
+        assert cache.get(key_of("a")) is None
+        stats = cache.stats()
+        assert (stats["evictions_ttl"], stats["evictions_lru"], stats["corrupt_records"]) == (1, 0, 0)
+        [b] = cache._node.slots.find(0, needle_of(key_of("b")))
+        cache._node.slots.array["offset"][b] += 64  # a stray write into b's record: its crc fails
+        cache.put(key_of("f"), _SMALL)  # the stripe's look quarantines b, evicts c (LRU)
+        stats = cache.stats()
+        assert (stats["evictions_ttl"], stats["evictions_lru"], stats["corrupt_records"]) == (1, 1, 1)
+        assert [cache.get(key_of(n)) is not None for n in "bcdef"] == [False, False, True, True, True]

@@ -25,7 +25,7 @@ from shmcache import (
     InvalidKey,
 )
 from shmcache.errors import LockTimeout
-from shmcache.kernel import _mapping
+from shmcache.kernel import _mapping, copy_into
 from shmcache.kernel.cowmap import CowMapper
 from shmcache.node.audit import audit
 from shmcache.node.crashpoints import CrashPoint
@@ -238,6 +238,28 @@ def test_idle_mappings_are_unmapped_when_a_view_needs_their_room(tmp_path: Path)
     child = spawn(workers.map_past_idle_mappings, str(path))
     child.join(60)
     assert child.exitcode == 0
+
+
+@pytest.mark.parametrize("size", [0, 1, 63, 4096, (2 << 20) - 1, 2 << 20, (2 << 20) + 77])
+def test_copy_into_writes_every_byte_at_any_alignment_and_nothing_past_them(size: int) -> None:
+    """Small copies are memcpy, from 2 MiB on non-temporal stores after an unaligned head."""
+    source = np.random.default_rng(size).integers(0, 256, size + 16, dtype=np.uint8)
+    for shift in (0, 1, 15):
+        destination = np.full(size + 64, 0xAA, dtype=np.uint8)
+        copy_into(memoryview(destination)[shift:], memoryview(source)[16 - shift : 16 - shift + size])
+        assert np.array_equal(destination[shift : shift + size], source[16 - shift : 16 - shift + size])
+        assert (destination[:shift] == 0xAA).all() and (destination[shift + size :] == 0xAA).all()
+
+
+def test_copy_into_refuses_what_does_not_fit_or_cannot_be_written() -> None:
+    destination = np.zeros(8, dtype=np.uint8)
+    with pytest.raises(ValueError, match="9 bytes do not fit in 8"):
+        copy_into(destination, b"x" * 9)
+    assert not destination.any()
+    with pytest.raises(BufferError):
+        copy_into(b"readonly", b"x")
+    with pytest.raises(TypeError, match="2 arguments"):
+        copy_into(destination)  # type: ignore[call-arg]
 
 
 @pytest.mark.parametrize("enabled", [True, False])

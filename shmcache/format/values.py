@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Final
 import numpy as np
 
 from shmcache.errors import UnsupportedValue
+from shmcache.kernel import copy_into
 from shmcache.keys.dtypes import tensor_bytes
 from shmcache.keys.text import short_repr, utf8
 
@@ -123,7 +124,7 @@ class EncodedValue:
         """Write the whole encoding into `buffer` (at least `total_len` writable bytes): one copy."""
         buffer[: len(self.head)] = self.head
         for offset, data in self.payloads:
-            buffer[offset : offset + data.nbytes] = data
+            copy_into(buffer[offset : offset + data.nbytes], data)
 
     def to_bytes(self) -> bytes:
         """The encoding as one bytes object (copies; for tests and transport)."""

@@ -3,6 +3,8 @@
 from collections.abc import Callable
 from typing import TypeVar
 
+from typing_extensions import Buffer
+
 _T = TypeVar("_T")
 
 class Mapping:
@@ -20,3 +22,7 @@ class Pool:
     def map_many(self, offsets: list[int], sizes: list[int], /) -> list[Mapping]: ...
     def close(self) -> None: ...
     def idle(self) -> int: ...
+
+def copy_into(destination: Buffer, source: Buffer, /) -> None:
+    """Copy the bytes of `source` to the start of the writable `destination` (large copies bypass
+    the cache, the GIL released); `ValueError` if they do not fit."""

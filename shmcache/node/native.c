@@ -5,8 +5,9 @@
  * step both sides use has its one implementation here: entering and leaving a section, the key
  * scan, reading and writing a slot record with its crc, this process's pin records, its counters,
  * the access stamp and expiry. The allocator's two looks at the slot table (the first-fit gap,
- * the eviction order) are here too: one pass in C instead of a dozen numpy passes (allocator.py
- * decides what to do with them). The Python modules (sections.py, slots.py, pins.py, counters.py,
+ * the eviction order) and a new key's look at its stripe (what its reservation may take) are here
+ * too: one pass in C instead of a dozen numpy passes or a record-by-record Python loop
+ * (allocator.py and reservations.py decide what to do with them). The Python modules (sections.py, slots.py, pins.py, counters.py,
  * allocator.py) call these; lookups.py and index.py compose them.
  *
  * Byte layout: layout.py is the reference; this file repeats the few field offsets it needs as
@@ -1209,6 +1210,59 @@ static PyObject *Index_evictable(Index *ix, PyObject *arg) {
     return out;
 }
 
+/* ------------------------------------------------------------ a new key's look at its stripe */
+static int append_slot(PyObject *list, Py_ssize_t slot) {
+    PyObject *item = PyLong_FromSsize_t(slot);
+    int rc = item == NULL ? -1 : PyList_Append(list, item);
+    Py_XDECREF(item);
+    return rc;
+}
+
+/* stripe_look(stripe, now): what a reservation of a new key can take in `stripe` (its section
+ * held, so the records are stable): (free, evict, expired, reserved, damaged) -- the EMPTY slots,
+ * the unreferenced SEALED slot to evict first (expired ones first, then the least recently used;
+ * -1 if none) and whether it expired, the RESERVED slots, the slots whose record fails its crc;
+ * each list in slot order. */
+static PyObject *Index_stripe_look(Index *ix, PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t stripe;
+    double now;
+    if (usage_error(nargs, 2, "stripe_look(stripe, now)") < 0 || check_ready(ix) < 0 || as_ssize(args[0], &stripe) < 0 ||
+        as_double(args[1], &now) < 0) {
+        return NULL;
+    }
+    if (stripe < 0 || stripe >= ix->stripes) {
+        PyErr_Format(PyExc_IndexError, "stripe %zd out of range", stripe);
+        return NULL;
+    }
+    PyObject *free = PyList_New(0), *reserved = PyList_New(0), *damaged = PyList_New(0);
+    Py_ssize_t evict = -1;
+    double best = 0.0;
+    int best_expired = 0, failed = free == NULL || reserved == NULL || damaged == NULL;
+    for (Py_ssize_t slot = stripe * ix->ways; !failed && slot < (stripe + 1) * ix->ways; slot++) {
+        record_t r;
+        if (!read_record(ix, slot, &r)) {
+            failed = append_slot(damaged, slot) < 0;
+        } else if (r.state == EMPTY) {
+            failed = append_slot(free, slot) < 0;
+        } else if (r.state == RESERVED) {
+            failed = append_slot(reserved, slot) < 0;
+        } else if (r.state == SEALED && r.refs == 0) {
+            int gone = expired(ix, slot, now);
+            double rank = gone ? -1.0 : last_access(ix, slot);
+            if (evict < 0 || rank < best) { /* the first of equal ranks; a NaN (damaged) stamp compares false */
+                evict = slot;
+                best = rank;
+                best_expired = gone;
+            }
+        }
+    }
+    PyObject *out = failed ? NULL : Py_BuildValue("(OnOOO)", free, evict, best_expired ? Py_True : Py_False, reserved, damaged);
+    Py_XDECREF(free);
+    Py_XDECREF(reserved);
+    Py_XDECREF(damaged);
+    return out;
+}
+
 /* ----------------------------------------------------------------- primitives for Python */
 /* The lock index and held marker offset of enter/leave: 0, or -1 with an exception set. */
 static int section_args(Index *ix, PyObject *const *args, int *lock, Py_ssize_t *held_off) {
@@ -1508,6 +1562,9 @@ static PyMethodDef Index_methods[] = {
     {"count", (PyCFunction)(void (*)(void))Index_count, METH_FASTCALL, "count(counter, n): add to our counter."},
     {"gap", (PyCFunction)(void (*)(void))Index_gap, METH_FASTCALL,
      "gap(need, capacity): the lowest offset of `need` free bytes (node section held; rule 7), None if none."},
+    {"stripe_look", (PyCFunction)(void (*)(void))Index_stripe_look, METH_FASTCALL,
+     "stripe_look(stripe, now): (free, evict, expired, reserved, damaged) for a new key's reservation "
+     "(stripe section held)."},
     {"evictable", (PyCFunction)Index_evictable, METH_O,
      "evictable(now): (RESERVED slots with an extent, unreferenced SEALED slots: expired first, then "
      "least recently used), read lock-free (rule 7)."},

@@ -137,30 +137,19 @@ class Reservations:
         """An EMPTY slot of `stripe` to reserve: a free one, else one made free by evicting an
         unreferenced sealed entry (expired first, then least recently used), else a dead
         owner's reservation."""
-        table, ways = self._slots, self._layout.ways
-        best: tuple[int, float] | None = None
-        dead: int | None = None
-        for slot in range(stripe * ways, (stripe + 1) * ways):
-            record = table.read(slot)
-            if record is None:
-                continue
-            if record.state == SlotState.EMPTY:
-                if not self.owner_alive(slot):
-                    return slot
-                continue  # emptied by a repair while its owner lives on: that owner still holds it
-            if record.state == SlotState.SEALED and record.refs == 0:
-                rank = -1.0 if table.expired(slot, now) else table.last_access(slot)
-                if best is None or rank < best[1]:
-                    best = (slot, rank)
-            elif record.state == SlotState.RESERVED and dead is None and not self.owner_alive(slot):
-                dead = slot
-        if best is not None:
-            self._counters.count(Counter.EVICTIONS_TTL if best[1] < 0 else Counter.EVICTIONS_LRU)
-            victim = best[0]
-        elif dead is not None:
-            victim = dead
+        table = self._slots
+        look = table.stripe_look(stripe, now)
+        for slot in look.free:
+            if not self.owner_alive(slot):
+                return slot
+            # else emptied by a repair while its owner lives on: that owner still holds it
+        if look.evict >= 0:
+            self._counters.count(Counter.EVICTIONS_TTL if look.expired else Counter.EVICTIONS_LRU)
+            victim = look.evict
         else:
-            return None
+            victim = next((slot for slot in look.reserved if not self.owner_alive(slot)), -1)
+            if victim < 0:
+                return None
         record = table.read(victim)
         assert record is not None
         table.write(victim, record.state, record.freed())

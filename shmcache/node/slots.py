@@ -137,6 +137,15 @@ class SealedEntry(NamedTuple):
     attachment: bytes | None = None  # the entry's attachment record, if it has one
 
 
+class StripeLook(NamedTuple):
+    """What a reservation of a new key can take in its stripe (slot numbers, in slot order)."""
+
+    free: list[int]  # EMPTY slots
+    evict: int  # the unreferenced SEALED slot to evict first, -1 if none
+    expired: bool  # whether `evict` outlived the TTL (else it is the least recently used)
+    reserved: list[int]  # RESERVED slots
+
+
 _F64 = struct.Struct("<d")
 
 
@@ -179,6 +188,14 @@ class SlotTable:
         if (was, record.state) not in TRANSITIONS:
             raise ProtocolViolation(f"slot {slot}: illegal transition {was.label} -> {record.state.label}")
         self.native.write_record(slot, *record, needle)
+
+    def stripe_look(self, stripe: int, now: float) -> StripeLook:
+        """One native look at `stripe`'s records (its section held); records that fail their crc
+        are quarantined, as `read` does."""
+        free, evict, expired, reserved, damaged = self.native.stripe_look(stripe, now)
+        for slot in damaged:
+            self.on_damaged(slot)
+        return StripeLook(free, evict, expired, reserved)
 
     def quarantine(self, slot: int, record: SlotRecord) -> None:
         """The unchecked write for a record that failed its crc: `record` must be STALE or EMPTY."""
