@@ -3,10 +3,12 @@ what a full stripe gives up for a new key."""
 
 from __future__ import annotations
 
+import random
 import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from shmcache import CacheConfig, EmbeddingCache
 from shmcache.node._native import first_fit
@@ -91,6 +93,38 @@ def _pressed(namespace: str, ttl_s: float | None) -> CacheConfig:
 
 
 _ENTRY = np.ones(1200 * 1024, dtype=np.uint8)
+
+
+def _first_fit_oracle(extents: list[tuple[int, int]], need: int, capacity: int) -> int | None:
+    """The allocation rule read literally: extents by start, each gap from the furthest end so far."""
+    start = 0
+    for begin, end in sorted(extents):
+        if begin >= start and begin - start >= need:
+            return start
+        start = max(start, end)
+    return start if capacity - start >= need else None
+
+
+@pytest.mark.parametrize("capacity", [1000, 128 << 20, 1 << 40, 1 << 63])
+def test_first_fit_agrees_with_the_rule_for_any_extents(capacity: int) -> None:
+    """The native sort (radix, from the lowest bit any start has) orders every kind of offset: a
+    shuffled tiling of the arena with gaps of random sizes, plus phantoms, asked for one of the
+    gaps' sizes (a mis-sorted pair hands out the wrong gap)."""
+    rng = random.Random(capacity)
+    for _ in range(200):
+        unit = rng.choice([1, 64, 4096])
+        extents, gaps, at, count = [], [0], 0, rng.randrange(1, 400)
+        while len(extents) < count:
+            gap, size = rng.choice([0, 0, rng.randrange(1, 64)]) * unit, rng.randrange(1, 64) * unit
+            if at + gap + size > capacity:
+                break
+            gaps.append(gap)
+            extents.append((at + gap, at + gap + size))
+            at += gap + size
+        extents += [(begin, begin) for begin, _ in rng.sample(extents, len(extents) // 8)]  # phantoms
+        rng.shuffle(extents)
+        need = max(1, rng.choice(gaps))
+        assert fit(extents, need, capacity) == _first_fit_oracle(extents, need, capacity)
 
 
 def test_arena_pressure_evicts_the_least_recently_used_entry(namespace: str) -> None:

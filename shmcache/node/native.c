@@ -1050,16 +1050,45 @@ typedef struct {
     uint64_t start, end;
 } extent_t;
 
-static int by_start(const void *a, const void *b) {
-    const extent_t *x = a, *y = b;
-    return x->start < y->start ? -1 : x->start > y->start;
+#define RADIX_BITS 11
+#define RADIX ((size_t)1 << RADIX_BITS)
+
+/* Sorts `ext` by start (`tmp`: room for n more): a least-significant-digit radix sort, 11 bits a
+ * pass, from the lowest bit any start has set to the highest (two passes for a 128 MiB arena of
+ * 64-byte aligned extents). qsort took ~0.2 ms for the 4096 records of a full index: every put
+ * allocates under the node section, so it held all of the node's puts that long. */
+static void sort_by_start(extent_t *ext, extent_t *tmp, Py_ssize_t n) {
+    uint64_t any = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        any |= ext[i].start;
+    }
+    extent_t *from = ext, *to = tmp;
+    for (int shift = any ? __builtin_ctzll(any) : 64; shift < 64 && (any >> shift) != 0; shift += RADIX_BITS) {
+        size_t at[RADIX + 1] = {0};
+        for (Py_ssize_t i = 0; i < n; i++) {
+            at[((from[i].start >> shift) & (RADIX - 1)) + 1]++;
+        }
+        for (size_t b = 1; b <= RADIX; b++) {
+            at[b] += at[b - 1];
+        }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            to[at[(from[i].start >> shift) & (RADIX - 1)]++] = from[i];
+        }
+        extent_t *swap = from;
+        from = to;
+        to = swap;
+    }
+    if (from != ext) {
+        memcpy(ext, from, sizeof *ext * (size_t)n);
+    }
 }
 
 /* The lowest offset of `need` free bytes in [0, capacity) outside every extent, -1 if none. The
  * extents may overlap or be empty: each gap starts at the running maximum of the ends before it,
- * so no listed extent is ever handed out again. Sorts `ext`. */
-static int64_t first_fit(extent_t *ext, Py_ssize_t n, uint64_t need, uint64_t capacity) {
-    qsort(ext, (size_t)n, sizeof *ext, by_start);
+ * so no listed extent is ever handed out again (the order of equal starts does not matter).
+ * Sorts `ext`, using `tmp` (room for n). */
+static int64_t first_fit(extent_t *ext, extent_t *tmp, Py_ssize_t n, uint64_t need, uint64_t capacity) {
+    sort_by_start(ext, tmp, n);
     uint64_t from = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         if (ext[i].start >= from && ext[i].start - from >= need) {
@@ -1088,7 +1117,7 @@ static PyObject *native_first_fit(PyObject *Py_UNUSED(module), PyObject *const *
         return NULL;
     }
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    extent_t *ext = PyMem_Calloc((size_t)n + 1, sizeof *ext);
+    extent_t *ext = PyMem_Calloc(2 * (size_t)n + 1, sizeof *ext); /* the extents, then room to sort */
     if (ext == NULL) {
         Py_DECREF(seq);
         return PyErr_NoMemory();
@@ -1105,7 +1134,7 @@ static PyObject *native_first_fit(PyObject *Py_UNUSED(module), PyObject *const *
             return NULL;
         }
     }
-    int64_t offset = first_fit(ext, n, need, capacity);
+    int64_t offset = first_fit(ext, ext + n, n, need, capacity);
     PyMem_Free(ext);
     Py_DECREF(seq);
     return fit_answer(offset);
@@ -1120,7 +1149,7 @@ static PyObject *Index_gap(Index *ix, PyObject *const *args, Py_ssize_t nargs) {
         as_u64(args[1], &capacity) < 0) {
         return NULL;
     }
-    extent_t *ext = PyMem_Calloc((size_t)ix->slots, sizeof *ext);
+    extent_t *ext = PyMem_Calloc(2 * (size_t)ix->slots, sizeof *ext); /* the extents, then room to sort */
     if (ext == NULL) {
         return PyErr_NoMemory();
     }
@@ -1136,7 +1165,7 @@ static PyObject *Index_gap(Index *ix, PyObject *const *args, Py_ssize_t nargs) {
             n++;
         }
     }
-    int64_t offset = first_fit(ext, n, need, capacity);
+    int64_t offset = first_fit(ext, ext + ix->slots, n, need, capacity);
     PyMem_Free(ext);
     return fit_answer(offset);
 }
