@@ -141,7 +141,7 @@ class Shmcache(Client):
         self.cache = EmbeddingCache(config)
 
     def get(self, index: int, compute: Any) -> tuple[Any, bool]:
-        from tools.bench_node import key
+        from tools.benchkit import key
 
         computed = []
 

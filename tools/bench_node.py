@@ -9,7 +9,8 @@
 3. the first hit of each of 64 entries of another process in this process (its head is checked
    and parsed; later hits of the same entry reuse that, as in 1), `get_many` of the 64 hits, and the
    existence check (`contains`, `contains_many` of 64): no pin, no view
-4. put of 8 MiB against one memcpy of 8 MiB into warm memory, and into cold (as a put's extent)
+4. put of 8 MiB against one memcpy of 8 MiB into warm memory, and into cold (as a put's extent);
+   put of 1 KiB into a full index (4096 entries: each put evicts one)
 5. wake-up: how long after the owner's commit returns its (warmed-up) waiters return: 3 of them
    (with the committer, more processes than this machine's 2 cores), and 1
 6. 32 processes hammering 4 hot keys with gets: every hit's latency, p50 and p99
@@ -19,59 +20,59 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import statistics
 import time
-import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from shmcache import CacheConfig, EmbeddingCache, EmbeddingCacheKey, destroy_namespace
-from shmcache.testing import sample_preprocessing
+from shmcache import CacheConfig, EmbeddingCache, destroy_namespace
+from tools.bench_node_load import hammer, node_memory
+from tools.benchkit import key, micros, node_config, percentile
 
 SIZES = {"1 KiB": 1 << 10, "1 MiB": 1 << 20, "8 MiB": 8 << 20, "64 MiB": 64 << 20}
 
 
-def key(name: str) -> EmbeddingCacheKey:
-    return EmbeddingCacheKey.from_raw_bytes(name.encode(), sample_preprocessing(), modality="image")
-
-
-def _config(capacity: int, **extra: Any) -> CacheConfig:
-    return CacheConfig(
-        enable_embedding_cache=True,
-        namespace=f"bench-{uuid.uuid4().hex[:8]}",
-        capacity_bytes=capacity,
-        **extra,
-    )
-
-
-def _pct(samples: list[float], q: float) -> float:
-    return float(np.percentile(samples, q))
-
-
-def _writer(config: CacheConfig, sizes: dict[str, int], done: str) -> None:
+def _writer(config: CacheConfig, entries: dict[str, tuple[int, int]], done: str) -> None:
     with EmbeddingCache(config) as cache:
-        for label, nbytes in sizes.items():
-            cache.put(key(label), torch.ones(nbytes, dtype=torch.uint8))
+        for name, (nbytes, fill) in entries.items():
+            cache.put(key(name), torch.full((nbytes,), fill, dtype=torch.uint8))
         Path(done).touch()
         while not Path(done + ".stop").exists():
             time.sleep(0.01)
 
 
-def cross_process_hits(rounds: int, idle: float) -> dict[str, dict[str, float]]:
-    config = _config(160 << 20)
+@contextlib.contextmanager
+def _written_by_another_process(config: CacheConfig, entries: dict[str, tuple[int, int]]) -> Iterator[None]:
+    """Another process puts `entries` (name: (bytes, fill byte)) and keeps them until the block ends."""
     done = Path(f"/tmp/{config.namespace}.done")
-    ctx = mp.get_context("spawn")
-    with EmbeddingCache(config) as cache:
-        writer = ctx.Process(target=_writer, args=(config, SIZES, str(done)))
-        writer.start()
+    stop = Path(f"{done}.stop")
+    writer = mp.get_context("spawn").Process(target=_writer, args=(config, entries, str(done)))
+    writer.start()
+    try:
         while not done.exists():
             time.sleep(0.01)
-        out = {}
+        yield
+    finally:
+        stop.touch()
+        writer.join()
+        done.unlink(missing_ok=True)
+        stop.unlink()
+
+
+def cross_process_hits(rounds: int, idle: float) -> dict[str, dict[str, float]]:
+    config = node_config(160 << 20)
+    out = {}
+    with (
+        EmbeddingCache(config) as cache,
+        _written_by_another_process(config, {label: (nbytes, 1) for label, nbytes in SIZES.items()}),
+    ):
         for label in SIZES:
             samples, prebuilt = [], key(label)
             for _ in range(rounds // 10):  # untimed: the first gets of a size warm its code path
@@ -84,17 +85,13 @@ def cross_process_hits(rounds: int, idle: float) -> dict[str, dict[str, float]]:
                 samples.append(time.perf_counter() - t0)
                 assert value is not None
                 del value
-            out[label] = {"p50_us": _pct(samples, 50) * 1e6, "p99_us": _pct(samples, 99) * 1e6}
-        Path(str(done) + ".stop").touch()
-        writer.join()
-    done.unlink()
-    Path(str(done) + ".stop").unlink()
+            out[label] = micros(samples)
     destroy_namespace(config.namespace)
     return out
 
 
 def repeat_hits(rounds: int) -> dict[str, float]:
-    with EmbeddingCache(_config(64 << 20)) as cache:
+    with EmbeddingCache(node_config(64 << 20)) as cache:
         cache.put(key("repeat"), torch.ones(8 << 20, dtype=torch.uint8))
         prebuilt = key("repeat")
         keep = cache.get(prebuilt)
@@ -104,30 +101,17 @@ def repeat_hits(rounds: int) -> dict[str, float]:
             cache.get(prebuilt)
             samples.append(time.perf_counter() - t0)
         del keep
-    return {"p50_us": _pct(samples, 50) * 1e6, "p99_us": _pct(samples, 99) * 1e6}
-
-
-def _many_writer(config: CacheConfig, count: int, done: str) -> None:
-    with EmbeddingCache(config) as cache:
-        for i in range(count):
-            cache.put(key(f"many-{i}"), torch.full((4096,), i % 251, dtype=torch.uint8))
-        Path(done).touch()
-        while not Path(done + ".stop").exists():
-            time.sleep(0.01)
+    return micros(samples)
 
 
 def many_and_exists(rounds: int, count: int = 64) -> dict[str, float]:
     """`get_many` of `count` hits of another process's entries (views dropped between calls), then
     the existence check of one key and of `count` keys, back to back."""
-    config = _config(64 << 20)
-    done = f"/tmp/{config.namespace}.done"
-    writer = mp.get_context("spawn").Process(target=_many_writer, args=(config, count, done))
+    config = node_config(64 << 20)
     keys = [key(f"many-{i}") for i in range(count)]
     first, many, one, exists_many = [], [], [], []
-    with EmbeddingCache(config) as cache:
-        writer.start()
-        while not Path(done).exists():
-            time.sleep(0.01)
+    entries = {f"many-{i}": (4096, i % 251) for i in range(count)}
+    with EmbeddingCache(config) as cache, _written_by_another_process(config, entries):
         for k in keys:
             t0 = time.perf_counter()
             value = cache.get(k)
@@ -148,56 +132,15 @@ def many_and_exists(rounds: int, count: int = 64) -> dict[str, float]:
             t0 = time.perf_counter()
             cache.contains_many(keys)
             exists_many.append(time.perf_counter() - t0)
-        Path(done + ".stop").touch()
-        writer.join()
-    Path(done).unlink()
-    Path(done + ".stop").unlink()
     destroy_namespace(config.namespace)
     return {
-        "first_hit_p50_us": _pct(first, 50) * 1e6,
-        "first_hit_p99_us": _pct(first, 99) * 1e6,
-        "get_many_p50_us": _pct(many, 50) * 1e6,
-        "get_many_per_item_us": _pct(many, 50) * 1e6 / count,
-        "contains_p50_us": _pct(one, 50) * 1e6,
-        "contains_many_per_item_us": _pct(exists_many, 50) * 1e6 / count,
+        "first_hit_p50_us": percentile(first, 50) * 1e6,
+        "first_hit_p99_us": percentile(first, 99) * 1e6,
+        "get_many_p50_us": percentile(many, 50) * 1e6,
+        "get_many_per_item_us": percentile(many, 50) * 1e6 / count,
+        "contains_p50_us": percentile(one, 50) * 1e6,
+        "contains_many_per_item_us": percentile(exists_many, 50) * 1e6 / count,
     }
-
-
-def _hammer(config: CacheConfig, hot: int, start: Any, seconds: float, out: Any) -> None:
-    keys = [key(f"hot-{i}") for i in range(hot)]
-    samples = []
-    with EmbeddingCache(config) as cache:
-        start.wait()
-        deadline = time.perf_counter() + seconds
-        n = 0
-        while time.perf_counter() < deadline:
-            t0 = time.perf_counter()
-            value = cache.get(keys[n % hot])
-            samples.append(time.perf_counter() - t0)
-            assert value is not None
-            del value
-            n += 1
-    out.put(samples)
-
-
-def hammer(processes: int = 32, hot: int = 4, seconds: float = 3.0) -> dict[str, float]:
-    """`processes` processes getting `hot` keys as fast as they can (views dropped each time)."""
-    ctx = mp.get_context("spawn")
-    config = _config(16 << 20, max_clients=processes + 8)
-    with EmbeddingCache(config) as cache:
-        for i in range(hot):
-            cache.put(key(f"hot-{i}"), torch.ones(4096, dtype=torch.uint8))
-        start, out = ctx.Barrier(processes), ctx.Queue()
-        procs = [
-            ctx.Process(target=_hammer, args=(config, hot, start, seconds, out)) for _ in range(processes)
-        ]
-        for proc in procs:
-            proc.start()
-        samples = [s for _ in procs for s in out.get(timeout=300)]
-        for proc in procs:
-            proc.join()
-    destroy_namespace(config.namespace)
-    return {"gets": len(samples), "p50_us": _pct(samples, 50) * 1e6, "p99_us": _pct(samples, 99) * 1e6}
 
 
 def put_vs_memcpy(rounds: int) -> dict[str, float]:
@@ -206,7 +149,7 @@ def put_vs_memcpy(rounds: int) -> dict[str, float]:
     warm = np.ones(nbytes, dtype=np.uint8)
     spread = np.ones(16 * nbytes, dtype=np.uint8)  # faulted in, but not written lately
     copies, cold_copies, puts = [], [], []
-    with EmbeddingCache(_config(128 << 20, return_mode="clone")) as cache:
+    with EmbeddingCache(node_config(128 << 20, return_mode="clone")) as cache:
         for i in range(rounds + 16):  # the arena wraps around: puts reuse evicted memory
             t0 = time.perf_counter()
             np.copyto(warm, source.numpy())
@@ -221,6 +164,17 @@ def put_vs_memcpy(rounds: int) -> dict[str, float]:
                 cold_copies.append(t3 - t2)
     memcpy, put, cold = (statistics.median(x) * 1e3 for x in (copies, puts, cold_copies))
     return dict(memcpy_ms=memcpy, cold_memcpy_ms=cold, put_ms=put, ratio=put / memcpy, cold_ratio=put / cold)
+
+
+def small_puts(count: int, entries: int = 4096) -> dict[str, float]:
+    """put of 1 KiB values into a full index (`entries` of them): each evicts the least recent."""
+    value, samples = torch.ones(256), []
+    with EmbeddingCache(node_config(64 << 20, return_mode="clone", max_entries=entries)) as cache:
+        for prebuilt in [key(f"small-{i}") for i in range(entries + count)]:
+            t0 = time.perf_counter()
+            cache.put(prebuilt, value)
+            samples.append(time.perf_counter() - t0)
+    return micros(samples[entries:])
 
 
 def _waiter(config: CacheConfig, ready: Any, results: Any) -> None:
@@ -239,7 +193,7 @@ def wake_up(rounds: int, waiters: int = 3) -> dict[str, float]:
     ctx = mp.get_context("spawn")
     lags: list[float] = []
     for _ in range(rounds):
-        config = _config(16 << 20)
+        config = node_config(16 << 20)
         ready, results = ctx.Semaphore(0), ctx.Queue()
         with EmbeddingCache(config) as cache:
             res = cache.reserve(key("wake"))
@@ -257,61 +211,7 @@ def wake_up(rounds: int, waiters: int = 3) -> dict[str, float]:
                 proc.join()
             del res
         destroy_namespace(config.namespace)
-    return {"p50_ms": _pct(lags, 50) * 1e3, "max_ms": max(lags) * 1e3}
-
-
-def _shmem_kib() -> int:
-    with open("/proc/meminfo") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("Shmem:"))
-
-
-def _private_kib(pid: int) -> int:
-    with open(f"/proc/{pid}/smaps_rollup") as f:
-        return sum(int(line.split()[1]) for line in f if line.startswith(("Private_Clean", "Private_Dirty")))
-
-
-def _reader(config: CacheConfig, count: int, done: Any, release: str) -> None:
-    with EmbeddingCache(config) as cache:
-        views = [cache.get(key(f"gig-{i}")) for i in range(count)]
-        total = sum(int(v[::4096].sum()) for v in views if v is not None)  # touch every page
-        done.put(total)
-        while not Path(release).exists():
-            time.sleep(0.01)
-        del views
-
-
-def node_memory(processes: int = 8, entries: int = 128, entry_bytes: int = 8 << 20) -> dict[str, float]:
-    ctx = mp.get_context("spawn")
-    config = _config(entries * entry_bytes + (64 << 20), return_mode="view")
-    release = f"/tmp/{config.namespace}.release"
-    before = _shmem_kib()
-    with EmbeddingCache(config) as cache:
-        for i in range(entries):
-            cache.put(key(f"gig-{i}"), torch.full((entry_bytes - 256,), i % 251, dtype=torch.uint8))
-        done = ctx.Queue()
-        baseline = ctx.Process(target=_reader, args=(config, 0, done, release))
-        baseline.start()
-        done.get()
-        idle_private = _private_kib(baseline.pid or 0)
-        procs = [ctx.Process(target=_reader, args=(config, entries, done, release)) for _ in range(processes)]
-        for proc in procs:
-            proc.start()
-        for _ in procs:
-            done.get(timeout=300)
-        shmem = _shmem_kib() - before
-        private = sum(_private_kib(proc.pid or 0) - idle_private for proc in procs)
-        Path(release).touch()
-        for proc in [*procs, baseline]:
-            proc.join()
-    Path(release).unlink()
-    data_gib = entries * entry_bytes / 2**30
-    return {
-        "entries_gib": data_gib,
-        "shared_gib": shmem / 2**20,
-        "readers_private_gib": private / 2**20,
-        "node_total_gib": (shmem + private) / 2**20,
-        "per_process_caches_gib": processes * data_gib,
-    }
+    return {"p50_ms": percentile(lags, 50) * 1e3, "max_ms": max(lags) * 1e3}
 
 
 def run(quick: bool) -> dict[str, Any]:
@@ -322,6 +222,7 @@ def run(quick: bool) -> dict[str, Any]:
         "repeat_hit": repeat_hits(rounds * 10),
         "get_many_and_exists": many_and_exists(rounds),
         "put_8mib": put_vs_memcpy(20 if quick else 60),
+        "put_1kib_full_index": small_puts(500 if quick else 3000),
         "wake_up": wake_up(2 if quick else 10),
         "wake_up_one_waiter": wake_up(2 if quick else 10, waiters=1),
         "hammer_32_processes": hammer(seconds=1.0 if quick else 3.0),
@@ -360,11 +261,15 @@ def report(results: dict[str, Any]) -> str:
         f"| {put['ratio']:.2f}x; vs a cold memcpy ({put['cold_memcpy_ms']:.2f} ms) "
         f"{put['cold_ratio']:.2f}x | ≤ 1.3x |"
     )
-    wake = results["wake_up"]
-    p50, worst = wake["p50_ms"], wake["max_ms"]
-    lines.append(f"| 3 waiters return after the commit | {p50:.2f} ms | max {worst:.2f} ms | ≤ 0.2 ms |")
-    p50, worst = results["wake_up_one_waiter"]["p50_ms"], results["wake_up_one_waiter"]["max_ms"]
-    lines.append(f"| 1 waiter returns after the commit | {p50:.2f} ms | max {worst:.2f} ms | ≤ 0.2 ms |")
+    small = results["put_1kib_full_index"]
+    lines.append(f"| put 1 KiB, full index (4096) | {small['p50_us']:.0f} µs | {small['p99_us']:.0f} µs | |")
+    for what, wake in (
+        ("3 waiters return", results["wake_up"]),
+        ("1 waiter returns", results["wake_up_one_waiter"]),
+    ):
+        lines.append(
+            f"| {what} after the commit | {wake['p50_ms']:.2f} ms | max {wake['max_ms']:.2f} ms | ≤ 0.2 ms |"
+        )
     ham = results["hammer_32_processes"]
     lines.append(
         f"| hit, 32 processes on 4 hot keys | {ham['p50_us']:.1f} µs | {ham['p99_us']:.1f} µs "

@@ -30,7 +30,7 @@ import torch
 from shmcache import CacheConfig, EmbeddingCache, destroy_namespace
 from shmcache.remote.store import RemoteStore, remote_key
 from shmcache.testing import MooncakeMaster
-from tools.bench_node import key
+from tools.benchkit import key
 
 SIZES = {"8 MiB": 8 << 20, "100 MiB": 100 << 20}
 

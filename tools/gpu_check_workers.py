@@ -21,7 +21,7 @@ import xxhash
 
 from shmcache import CacheConfig, EmbeddingCache
 from shmcache.node.layout import Counter
-from tools.bench_node import key as key_of
+from tools.benchkit import key as key_of
 
 __all__ = [
     "DTYPES",
