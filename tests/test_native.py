@@ -285,9 +285,31 @@ def test_a_damaged_access_stamp_sorts_last_among_eviction_candidates(config: Cac
         slots = {name: node.lookups.lookup(needle_of(key_of(name)), 0) for name in ("old", "damaged", "new")}
         assert all(hit is not None for hit in slots.values())
         node.native.touch(slots["damaged"].slot, float("nan"))  # type: ignore[union-attr]
-        reserved, order = node.native.evictable(time.monotonic())
-        assert reserved == []
-        assert order == [slots[name].slot for name in ("old", "new", "damaged")]  # type: ignore[union-attr]
+        expected = [slots[name].slot for name in ("old", "new", "damaged")]  # type: ignore[union-attr]
+        for limit in (1, 2, 3, 100):  # the selection of the best few and the sort agree
+            assert node.native.evictable(time.monotonic(), limit) == ([], expected[:limit], limit >= 3)
+
+
+def test_the_first_look_at_eviction_candidates_selects_what_the_full_sort_orders(config: CacheConfig) -> None:
+    """`evictable(now, limit)` with a small limit selects the best few (insertion into the best so
+    far) instead of sorting every candidate: the same slots in the same order, ties by slot."""
+    rng = random.Random(5)
+    with EmbeddingCache(config) as cache:
+        node = node_of(cache)
+        for i in range(40):
+            cache.put(key_of(f"e{i}"), expected_value(f"e{i}"))
+        slots = [node.lookups.lookup(needle_of(key_of(f"e{i}")), 0) for i in range(40)]
+        node.release([(hit.slot, hit.gen) for hit in slots if hit is not None])
+        for _ in range(20):
+            for hit in slots:  # stamps with ties, in random order, a few damaged
+                assert hit is not None
+                node.native.touch(hit.slot, rng.choice([float(rng.randrange(8)), float("nan")]))
+            reserved, everything, complete = node.native.evictable(time.monotonic(), 1000)
+            assert reserved == [] and len(everything) == 40 and complete
+            for limit in (1, 2, 7, 8, 39, 40, 64):
+                assert node.native.evictable(time.monotonic(), limit) == ([], everything[:limit], limit >= 40)
+        with pytest.raises(ValueError, match="at least 1"):
+            node.native.evictable(time.monotonic(), 0)
 
 
 def test_a_held_stripe_lock_times_out_naming_its_holder(config: CacheConfig) -> None:

@@ -10,7 +10,7 @@
    and parsed; later hits of the same entry reuse that, as in 1), `get_many` of the 64 hits, and the
    existence check (`contains`, `contains_many` of 64): no pin, no view
 4. put of 8 MiB against one memcpy of 8 MiB into warm memory, and into cold (as a put's extent);
-   put of 1 KiB into a full index (4096 entries: each put evicts one)
+   put of 1 KiB into a full index (4096 entries: each put evicts one) and into a full arena
 5. wake-up: how long after the owner's commit returns its (warmed-up) waiters return: 3 of them
    (with the committer, more processes than this machine's 2 cores), and 1
 6. 32 processes hammering 4 hot keys with gets: every hit's latency, p50 and p99
@@ -166,10 +166,11 @@ def put_vs_memcpy(rounds: int) -> dict[str, float]:
     return dict(memcpy_ms=memcpy, cold_memcpy_ms=cold, put_ms=put, ratio=put / memcpy, cold_ratio=put / cold)
 
 
-def small_puts(count: int, entries: int = 4096) -> dict[str, float]:
-    """put of 1 KiB values into a full index (`entries` of them): each evicts the least recent."""
+def small_puts(count: int, capacity: int, entries: int = 4096) -> dict[str, float]:
+    """put of 1 KiB values once `entries` were put: into a full index (each evicts the least recent
+    of its stripe) or, with a `capacity` smaller than that, a full arena (the least recent of all)."""
     value, samples = torch.ones(256), []
-    with EmbeddingCache(node_config(64 << 20, return_mode="clone", max_entries=entries)) as cache:
+    with EmbeddingCache(node_config(capacity, return_mode="clone", max_entries=entries)) as cache:
         for prebuilt in [key(f"small-{i}") for i in range(entries + count)]:
             t0 = time.perf_counter()
             cache.put(prebuilt, value)
@@ -222,7 +223,8 @@ def run(quick: bool) -> dict[str, Any]:
         "repeat_hit": repeat_hits(rounds * 10),
         "get_many_and_exists": many_and_exists(rounds),
         "put_8mib": put_vs_memcpy(20 if quick else 60),
-        "put_1kib_full_index": small_puts(500 if quick else 3000),
+        "put_1kib_full_index": small_puts(500 if quick else 3000, capacity=64 << 20),
+        "put_1kib_full_arena": small_puts(500 if quick else 3000, capacity=3 << 20),
         "wake_up": wake_up(2 if quick else 10),
         "wake_up_one_waiter": wake_up(2 if quick else 10, waiters=1),
         "hammer_32_processes": hammer(seconds=1.0 if quick else 3.0),
@@ -261,8 +263,11 @@ def report(results: dict[str, Any]) -> str:
         f"| {put['ratio']:.2f}x; vs a cold memcpy ({put['cold_memcpy_ms']:.2f} ms) "
         f"{put['cold_ratio']:.2f}x | ≤ 1.3x |"
     )
-    small = results["put_1kib_full_index"]
-    lines.append(f"| put 1 KiB, full index (4096) | {small['p50_us']:.0f} µs | {small['p99_us']:.0f} µs | |")
+    for what, small in (
+        ("index (4096)", results["put_1kib_full_index"]),
+        ("arena (3 MiB)", results["put_1kib_full_arena"]),
+    ):
+        lines.append(f"| put 1 KiB, full {what} | {small['p50_us']:.0f} µs | {small['p99_us']:.0f} µs | |")
     for what, wake in (
         ("3 waiters return", results["wake_up"]),
         ("1 waiter returns", results["wake_up_one_waiter"]),

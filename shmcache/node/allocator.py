@@ -24,6 +24,7 @@ from shmcache.node.slots import SlotState, SlotTable
 __all__ = ["ALIGN", "Allocator"]
 
 ALIGN: Final = 64
+FIRST_LOOK: Final = 8  # eviction candidates ordered by the first look (native.c: a selection, not a sort)
 
 
 class Allocator:
@@ -61,25 +62,36 @@ class Allocator:
         """The lowest free offset of `need` bytes right now, evicting nothing (None if none)."""
         return self._slots.native.gap(need, self.capacity)
 
-    def _candidates(self) -> list[int]:
-        """Slots worth evicting, best first: dead reservations, then unreferenced sealed entries,
-        expired before the least recently used."""
-        reserved, sealed = self._slots.native.evictable(time.monotonic())
-        return [*(slot for slot in reserved if not self._owner_alive(slot)), *sealed]
+    def _candidates(self, limit: int) -> tuple[list[int], bool]:
+        """Slots worth evicting, best first: dead reservations, then the best `limit` unreferenced
+        sealed entries, expired before the least recently used; and whether those are all."""
+        reserved, sealed, complete = self._slots.native.evictable(time.monotonic(), limit)
+        return [*(slot for slot in reserved if not self._owner_alive(slot)), *sealed], complete
 
     def _evict_one(self) -> bool:
-        """Evict the best candidate that is still evictable under its stripe lock; False if none."""
-        table, ways = self._slots, self._slots.layout.ways
-        for slot in self._candidates():
-            with self._sections.stripe(slot // ways):
-                record = table.read(slot)
-                if record is None:
-                    return True  # the repair quarantined it: its memory may be free now
-                dead = record.state == SlotState.RESERVED and not self._owner_alive(slot)
-                if (record.state == SlotState.SEALED and record.refs == 0 and record.size) or dead:
-                    if record.state == SlotState.SEALED:
-                        expired = table.expired(slot, time.monotonic())
-                        self._counters.count(Counter.EVICTIONS_TTL if expired else Counter.EVICTIONS_LRU)
-                    table.write(slot, record.state, record.freed())
-                    return True
+        """Evict the best candidate that is still evictable under its stripe lock; False if none.
+        The first look orders the best few (an entry pinned since the look is skipped); only if
+        every one of them was taken meanwhile does a second look order them all."""
+        for limit in (FIRST_LOOK, self._slots.layout.slots):
+            candidates, complete = self._candidates(limit)
+            if any(self._evict(slot) for slot in candidates):
+                return True
+            if complete:
+                return False
+        return False
+
+    def _evict(self, slot: int) -> bool:
+        """Free `slot` if it is still an unreferenced sealed entry or a dead owner's reservation."""
+        table = self._slots
+        with self._sections.stripe(slot // table.layout.ways):
+            record = table.read(slot)
+            if record is None:
+                return True  # the repair quarantined it: its memory may be free now
+            dead = record.state == SlotState.RESERVED and not self._owner_alive(slot)
+            if (record.state == SlotState.SEALED and record.refs == 0 and record.size) or dead:
+                if record.state == SlotState.SEALED:
+                    expired = table.expired(slot, time.monotonic())
+                    self._counters.count(Counter.EVICTIONS_TTL if expired else Counter.EVICTIONS_LRU)
+                table.write(slot, record.state, record.freed())
+                return True
         return False

@@ -1170,6 +1170,13 @@ static PyObject *Index_gap(Index *ix, PyObject *const *args, Py_ssize_t nargs) {
     return fit_answer(offset);
 }
 
+static int append_slot(PyObject *list, Py_ssize_t slot) {
+    PyObject *item = PyLong_FromSsize_t(slot);
+    int rc = item == NULL ? -1 : PyList_Append(list, item);
+    Py_XDECREF(item);
+    return rc;
+}
+
 typedef struct {
     double rank; /* -1: expired, else the last access */
     Py_ssize_t slot;
@@ -1183,9 +1190,36 @@ static int by_rank(const void *a, const void *b) {
     return x->slot < y->slot ? -1 : x->slot > y->slot;
 }
 
-static PyObject *Index_evictable(Index *ix, PyObject *arg) {
+/* Order the best `limit` of `n` candidates first (by_rank), when `limit` is small: an insertion
+ * into the sorted best-so-far, O(n) when the candidates are in no particular order. */
+static void select_best(candidate_t *c, Py_ssize_t n, Py_ssize_t limit) {
+    for (Py_ssize_t i = 1; i < n; i++) {
+        Py_ssize_t kept = i < limit ? i : limit; /* c[0, kept) are the best of c[0, i), in order */
+        if (kept == limit && by_rank(&c[i], &c[limit - 1]) >= 0) {
+            continue;
+        }
+        candidate_t item = c[i];
+        Py_ssize_t at = kept == limit ? limit - 1 : kept; /* the slot it may take */
+        for (; at > 0 && by_rank(&item, &c[at - 1]) < 0; at--) {
+            c[at] = c[at - 1];
+        }
+        c[at] = item;
+    }
+}
+
+#define SELECT_MAX 64 /* larger limits sort every candidate */
+
+/* evictable(now, limit): (RESERVED slots with an extent, the best `limit` unreferenced SEALED
+ * slots in eviction order, whether those are all of them). Read lock-free (rule 7). */
+static PyObject *Index_evictable(Index *ix, PyObject *const *args, Py_ssize_t nargs) {
     double now;
-    if (as_double(arg, &now) < 0 || check_ready(ix) < 0) {
+    Py_ssize_t limit;
+    if (usage_error(nargs, 2, "evictable(now, limit)") < 0 || as_double(args[0], &now) < 0 ||
+        as_ssize(args[1], &limit) < 0 || check_ready(ix) < 0) {
+        return NULL;
+    }
+    if (limit < 1) {
+        PyErr_SetString(PyExc_ValueError, "evictable: limit must be at least 1");
         return NULL;
     }
     candidate_t *sealed = PyMem_Calloc((size_t)ix->slots, sizeof *sealed);
@@ -1204,23 +1238,23 @@ static PyObject *Index_evictable(Index *ix, PyObject *arg) {
         }
         if (r.state == SEALED && r.refs == 0) {
             double rank = expired(ix, slot, now) ? -1.0 : last_access(ix, slot);
-            sealed[n].rank = isnan(rank) ? INFINITY : rank; /* a damaged stamp sorts last: qsort needs an order */
+            sealed[n].rank = isnan(rank) ? INFINITY : rank; /* a damaged stamp sorts last: sorting needs an order */
             sealed[n].slot = slot;
             n++;
-        } else if (r.state == RESERVED) {
-            PyObject *item = PyLong_FromSsize_t(slot);
-            if (item == NULL || PyList_Append(reserved, item) < 0) {
-                Py_XDECREF(item);
-                PyMem_Free(sealed);
-                Py_DECREF(reserved);
-                return NULL;
-            }
-            Py_DECREF(item);
+        } else if (r.state == RESERVED && append_slot(reserved, slot) < 0) {
+            PyMem_Free(sealed);
+            Py_DECREF(reserved);
+            return NULL;
         }
     }
-    qsort(sealed, (size_t)n, sizeof *sealed, by_rank);
-    PyObject *order = PyList_New(n);
-    for (Py_ssize_t i = 0; order != NULL && i < n; i++) {
+    if (n > limit && limit <= SELECT_MAX) {
+        select_best(sealed, n, limit);
+    } else {
+        qsort(sealed, (size_t)n, sizeof *sealed, by_rank);
+    }
+    Py_ssize_t count = n < limit ? n : limit;
+    PyObject *order = PyList_New(count);
+    for (Py_ssize_t i = 0; order != NULL && i < count; i++) {
         PyObject *item = PyLong_FromSsize_t(sealed[i].slot);
         if (item == NULL) {
             Py_CLEAR(order);
@@ -1233,20 +1267,11 @@ static PyObject *Index_evictable(Index *ix, PyObject *arg) {
         Py_DECREF(reserved);
         return NULL;
     }
-    PyObject *out = PyTuple_Pack(2, reserved, order);
-    Py_DECREF(reserved);
-    Py_DECREF(order);
+    PyObject *out = Py_BuildValue("(NNO)", reserved, order, n <= limit ? Py_True : Py_False);
     return out;
 }
 
 /* ------------------------------------------------------------ a new key's look at its stripe */
-static int append_slot(PyObject *list, Py_ssize_t slot) {
-    PyObject *item = PyLong_FromSsize_t(slot);
-    int rc = item == NULL ? -1 : PyList_Append(list, item);
-    Py_XDECREF(item);
-    return rc;
-}
-
 /* stripe_look(stripe, now): what a reservation of a new key can take in `stripe` (its section
  * held, so the records are stable): (free, evict, expired, reserved, damaged) -- the EMPTY slots,
  * the unreferenced SEALED slot to evict first (expired ones first, then the least recently used;
@@ -1594,9 +1619,9 @@ static PyMethodDef Index_methods[] = {
     {"stripe_look", (PyCFunction)(void (*)(void))Index_stripe_look, METH_FASTCALL,
      "stripe_look(stripe, now): (free, evict, expired, reserved, damaged) for a new key's reservation "
      "(stripe section held)."},
-    {"evictable", (PyCFunction)Index_evictable, METH_O,
-     "evictable(now): (RESERVED slots with an extent, unreferenced SEALED slots: expired first, then "
-     "least recently used), read lock-free (rule 7)."},
+    {"evictable", (PyCFunction)(void (*)(void))Index_evictable, METH_FASTCALL,
+     "evictable(now, limit): (RESERVED slots with an extent, the best `limit` unreferenced SEALED slots: "
+     "expired first, then least recently used; whether that is all of them), read lock-free (rule 7)."},
     {NULL, NULL, 0, NULL},
 };
 
