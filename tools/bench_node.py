@@ -10,7 +10,7 @@
    and parsed; later hits of the same entry reuse that, as in 1), `get_many` of the 64 hits, and the
    existence check (`contains`, `contains_many` of 64): no pin, no view
 4. put of 8 MiB against one memcpy of 8 MiB into warm memory, and into cold (as a put's extent);
-   put of 1 KiB into a full index (4096 entries: each put evicts one) and into a full arena
+   put of 1 KiB into a nearly full index (4096 slots: most puts evict) and into a full arena
 5. wake-up: how long after the owner's commit returns its (warmed-up) waiters return: 3 of them
    (with the committer, more processes than this machine's 2 cores), and 1
 6. 32 processes hammering 4 hot keys with gets: every hit's latency, p50 and p99
@@ -167,8 +167,9 @@ def put_vs_memcpy(rounds: int) -> dict[str, float]:
 
 
 def small_puts(count: int, capacity: int, entries: int = 4096) -> dict[str, float]:
-    """put of 1 KiB values once `entries` were put: into a full index (each evicts the least recent
-    of its stripe) or, with a `capacity` smaller than that, a full arena (the least recent of all)."""
+    """put of 1 KiB values once `entries` were put: into a nearly full index (~87% of them evict the
+    least recent entry of their stripe) or, with a `capacity` smaller than that, a full arena (each
+    evicts the least recent of all)."""
     value, samples = torch.ones(256), []
     with EmbeddingCache(node_config(capacity, return_mode="clone", max_entries=entries)) as cache:
         for prebuilt in [key(f"small-{i}") for i in range(entries + count)]:

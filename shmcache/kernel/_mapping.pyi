@@ -24,5 +24,6 @@ class Pool:
     def idle(self) -> int: ...
 
 def copy_into(destination: Buffer, source: Buffer, /) -> None:
-    """Copy the bytes of `source` to the start of the writable `destination` (large copies bypass
-    the cache, the GIL released); `ValueError` if they do not fit."""
+    """Copy the bytes of `source` to the start of the writable `destination` (from 2 MiB on x86-64
+    with stores that bypass the cache; the GIL released from 64 KiB); `ValueError` if they do not
+    fit."""

@@ -391,9 +391,12 @@ static PyTypeObject PoolType = {
 
 /* ------------------------------------------------------------- copying into shared memory */
 /* A writer's copy into the arena: memory that was last written long ago (the arena is reused in
- * allocation order) and that the writer does not read again. From STREAM_MIN_BYTES on, on x86-64,
- * it is copied with non-temporal stores, which skip reading each destination line into the cache
- * before overwriting it: ~20% less time for 8 MiB, none below ~2 MiB (docs/benchmarks.md).
+ * allocation order). From STREAM_MIN_BYTES on, on x86-64, it is copied with non-temporal stores,
+ * which skip reading each destination line into the cache before overwriting it: ~16% less time
+ * for 8 MiB, none below ~2 MiB (docs/benchmarks.md). The price: the bytes are not left in the
+ * cache, so whoever reads them next (the debug checksum right after the copy, a reader on the
+ * node) reads them from memory; at 2 MiB and more most of them would have left a core's caches
+ * anyway.
  * Non-temporal stores are weakly ordered, so the copy ends with a store fence: every byte is
  * visible before any later store of this thread, the seal that publishes the entry included.
  * The GIL is released for copies of UNLOCKED_MIN_BYTES or more (the buffers stay exported). */
@@ -459,7 +462,7 @@ static PyObject *copy_into(PyObject *Py_UNUSED(module), PyObject *const *args, P
 static PyMethodDef mapping_methods[] = {
     {"copy_into", (PyCFunction)(void (*)(void))copy_into, METH_FASTCALL,
      "copy_into(destination, source): copy the bytes of `source` to the start of the writable "
-     "`destination` (large copies bypass the cache, the GIL released)."},
+     "`destination` (from 2 MiB on x86-64 they bypass the cache; the GIL released from 64 KiB)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1288,30 +1288,31 @@ static PyObject *Index_stripe_look(Index *ix, PyObject *const *args, Py_ssize_t 
         PyErr_Format(PyExc_IndexError, "stripe %zd out of range", stripe);
         return NULL;
     }
-    PyObject *free = PyList_New(0), *reserved = PyList_New(0), *damaged = PyList_New(0);
+    PyObject *empty = PyList_New(0), *reserved = PyList_New(0), *damaged = PyList_New(0);
     Py_ssize_t evict = -1;
     double best = 0.0;
-    int best_expired = 0, failed = free == NULL || reserved == NULL || damaged == NULL;
+    int best_expired = 0, failed = empty == NULL || reserved == NULL || damaged == NULL;
     for (Py_ssize_t slot = stripe * ix->ways; !failed && slot < (stripe + 1) * ix->ways; slot++) {
         record_t r;
         if (!read_record(ix, slot, &r)) {
             failed = append_slot(damaged, slot) < 0;
         } else if (r.state == EMPTY) {
-            failed = append_slot(free, slot) < 0;
+            failed = append_slot(empty, slot) < 0;
         } else if (r.state == RESERVED) {
             failed = append_slot(reserved, slot) < 0;
         } else if (r.state == SEALED && r.refs == 0) {
             int gone = expired(ix, slot, now);
             double rank = gone ? -1.0 : last_access(ix, slot);
-            if (evict < 0 || rank < best) { /* the first of equal ranks; a NaN (damaged) stamp compares false */
+            rank = isnan(rank) ? INFINITY : rank; /* a damaged stamp goes last, as in `evictable` */
+            if (evict < 0 || rank < best) { /* the first of equal ranks */
                 evict = slot;
                 best = rank;
                 best_expired = gone;
             }
         }
     }
-    PyObject *out = failed ? NULL : Py_BuildValue("(OnOOO)", free, evict, best_expired ? Py_True : Py_False, reserved, damaged);
-    Py_XDECREF(free);
+    PyObject *out = failed ? NULL : Py_BuildValue("(OnOOO)", empty, evict, best_expired ? Py_True : Py_False, reserved, damaged);
+    Py_XDECREF(empty);
     Py_XDECREF(reserved);
     Py_XDECREF(damaged);
     return out;

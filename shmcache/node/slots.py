@@ -138,7 +138,7 @@ class SealedEntry(NamedTuple):
 
 
 class StripeLook(NamedTuple):
-    """What a reservation of a new key can take in its stripe (slot numbers, in slot order)."""
+    """What a reservation of a new key can take in its stripe (the lists in slot order)."""
 
     free: list[int]  # EMPTY slots
     evict: int  # the unreferenced SEALED slot to evict first, -1 if none
