@@ -265,10 +265,10 @@ def report(results: dict[str, Any]) -> str:
         f"{put['cold_ratio']:.2f}x | ≤ 1.3x |"
     )
     for what, small in (
-        ("index (4096)", results["put_1kib_full_index"]),
-        ("arena (3 MiB)", results["put_1kib_full_arena"]),
+        ("nearly full index (4096 slots)", results["put_1kib_full_index"]),
+        ("full arena (3 MiB)", results["put_1kib_full_arena"]),
     ):
-        lines.append(f"| put 1 KiB, full {what} | {small['p50_us']:.0f} µs | {small['p99_us']:.0f} µs | |")
+        lines.append(f"| put 1 KiB, {what} | {small['p50_us']:.0f} µs | {small['p99_us']:.0f} µs | |")
     for what, wake in (
         ("3 waiters return", results["wake_up"]),
         ("1 waiter returns", results["wake_up_one_waiter"]),
