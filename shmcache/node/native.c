@@ -687,6 +687,18 @@ static int as_ssize(PyObject *o, Py_ssize_t *out) {
     return *out == -1 && PyErr_Occurred() ? -1 : 0;
 }
 
+/* Parse a stripe number argument and check it names a stripe of a ready index. */
+static int as_stripe(Index *ix, PyObject *arg, Py_ssize_t *stripe) {
+    if (check_ready(ix) < 0 || as_ssize(arg, stripe) < 0) {
+        return -1;
+    }
+    if (*stripe < 0 || *stripe >= ix->stripes) {
+        PyErr_Format(PyExc_IndexError, "stripe %zd out of range", *stripe);
+        return -1;
+    }
+    return 0;
+}
+
 static int as_u64(PyObject *o, uint64_t *out) {
     unsigned long long v = PyLong_AsUnsignedLongLong(o);
     if (v == (unsigned long long)-1 && PyErr_Occurred()) {
@@ -812,12 +824,8 @@ static PyObject *Index_hit_in(Index *ix, PyObject *const *args, Py_ssize_t nargs
     double now;
     uint32_t pins;
     if (usage_error(nargs, 4, "hit_in(stripe, needle, now, pins)") < 0 || check_bound(ix) < 0 ||
-        as_ssize(args[0], &stripe) < 0 || check_needle(args[1], &needle) < 0 || as_double(args[2], &now) < 0 ||
+        as_stripe(ix, args[0], &stripe) < 0 || check_needle(args[1], &needle) < 0 || as_double(args[2], &now) < 0 ||
         as_u32(args[3], &pins) < 0) {
-        return NULL;
-    }
-    if (stripe < 0 || stripe >= ix->stripes) {
-        PyErr_Format(PyExc_IndexError, "stripe %zd out of range", stripe);
         return NULL;
     }
     hit_t hit;
@@ -864,12 +872,8 @@ static PyObject *contains_one(Index *ix, const char *needle, double now) {
 static PyObject *Index_find(Index *ix, PyObject *const *args, Py_ssize_t nargs) {
     Py_ssize_t stripe;
     const char *needle;
-    if (usage_error(nargs, 2, "find(stripe, needle)") < 0 || check_ready(ix) < 0 || as_ssize(args[0], &stripe) < 0 ||
+    if (usage_error(nargs, 2, "find(stripe, needle)") < 0 || as_stripe(ix, args[0], &stripe) < 0 ||
         check_needle(args[1], &needle) < 0) {
-        return NULL;
-    }
-    if (stripe < 0 || stripe >= ix->stripes) {
-        PyErr_Format(PyExc_IndexError, "stripe %zd out of range", stripe);
         return NULL;
     }
     PyObject *out = PyList_New(0);
@@ -1280,12 +1284,8 @@ static PyObject *Index_evictable(Index *ix, PyObject *const *args, Py_ssize_t na
 static PyObject *Index_stripe_look(Index *ix, PyObject *const *args, Py_ssize_t nargs) {
     Py_ssize_t stripe;
     double now;
-    if (usage_error(nargs, 2, "stripe_look(stripe, now)") < 0 || check_ready(ix) < 0 || as_ssize(args[0], &stripe) < 0 ||
+    if (usage_error(nargs, 2, "stripe_look(stripe, now)") < 0 || as_stripe(ix, args[0], &stripe) < 0 ||
         as_double(args[1], &now) < 0) {
-        return NULL;
-    }
-    if (stripe < 0 || stripe >= ix->stripes) {
-        PyErr_Format(PyExc_IndexError, "stripe %zd out of range", stripe);
         return NULL;
     }
     PyObject *empty = PyList_New(0), *reserved = PyList_New(0), *damaged = PyList_New(0);
