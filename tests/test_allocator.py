@@ -176,3 +176,42 @@ def test_a_full_stripe_evicts_the_expired_first_and_quarantines_a_damaged_record
         stats = cache.stats()
         assert (stats["evictions_ttl"], stats["evictions_lru"], stats["corrupt_records"]) == (1, 1, 1)
         assert [cache.get(key_of(n)) is not None for n in "bcdef"] == [False, False, True, True, True]
+
+
+def test_eviction_looks_again_at_every_candidate_when_the_best_few_were_pinned_since_the_look(
+    namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first look orders the best 8 candidates only. Each of them is pinned (for real, by this
+    process) between that lock-free look and its stripe lock, so none can be evicted: the second
+    look, over every candidate, evicts the ninth least recently used instead of failing the put."""
+    config = sample_cache_config(
+        namespace, capacity_bytes=1 << 20, max_entries=256, ways=8, return_mode="clone"
+    )  # room for twelve 80 KiB entries: a thirteenth evicts one
+    value = np.ones(80 << 10, dtype=np.uint8)
+    with EmbeddingCache(config) as cache:
+        node = cache._node
+        for i in range(12):
+            cache.put(key_of(f"e{i}"), value)
+            time.sleep(0.002)  # distinct access stamps: e0 is the least recently used
+        names = {}
+        for i in range(12):
+            hit = node.lookups.lookup(needle_of(key_of(f"e{i}")), 0)
+            assert hit is not None
+            names[hit.slot] = f"e{i}"
+        pinned = []
+        evict = node.allocator._evict
+
+        def pinned_since_the_look(slot: int) -> bool:
+            if len(pinned) < 8:
+                pinned.append(node.lookups.lookup(needle_of(key_of(names[slot])), 1))
+            return evict(slot)
+
+        monkeypatch.setattr(node.allocator, "_evict", pinned_since_the_look)
+        cache.put(key_of("new"), value)
+        assert sorted(hit.slot for hit in pinned if hit is not None) == sorted(
+            slot for slot, name in names.items() if name in {f"e{i}" for i in range(8)}
+        )
+        present = [name for name in (f"e{i}" for i in range(12)) if cache.contains(key_of(name))]
+        assert present == [f"e{i}" for i in range(12) if i != 8] and cache.contains(key_of("new"))
+        assert cache.stats()["evictions_lru"] == 1
+        node.release([(hit.slot, hit.gen) for hit in pinned if hit is not None])

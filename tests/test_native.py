@@ -301,7 +301,7 @@ def test_the_first_look_at_eviction_candidates_selects_what_the_full_sort_orders
         slots = [node.lookups.lookup(needle_of(key_of(f"e{i}")), 0) for i in range(40)]
         node.release([(hit.slot, hit.gen) for hit in slots if hit is not None])
         for _ in range(20):
-            for hit in slots:  # stamps with ties, in random order, a few damaged
+            for hit in slots:  # stamps with ties, in random order, about half of them damaged (NaN)
                 assert hit is not None
                 node.native.touch(hit.slot, rng.choice([float(rng.randrange(8)), float("nan")]))
             reserved, everything, complete = node.native.evictable(time.monotonic(), 1000)

@@ -27,6 +27,7 @@ def node_config(capacity: int, **extra: Any) -> CacheConfig:
 
 
 def percentile(samples: list[float], q: float) -> float:
+    """The `q`th percentile of `samples`."""
     return float(np.percentile(samples, q))
 
 
