@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from shmcache import CacheConfig, EmbeddingCache
+from shmcache.errors import ReservationLost
 from shmcache.node._native import first_fit
 from shmcache.node.layout import needle_of
 from shmcache.testing import sample_cache_config
@@ -215,3 +216,21 @@ def test_eviction_looks_again_at_every_candidate_when_the_best_few_were_pinned_s
         assert present == [f"e{i}" for i in range(12) if i != 8] and cache.contains(key_of("new"))
         assert cache.stats()["evictions_lru"] == 1
         node.release([(hit.slot, hit.gen) for hit in pinned if hit is not None])
+
+
+def test_a_shrunk_reservation_gives_its_tail_to_the_next_allocation(namespace: str) -> None:
+    """`NodeIndex.shrink` (a pull whose object was smaller than the extent guessed for it): the
+    reservation keeps the head of its extent and the tail is free for the next allocation at once;
+    it never grows an extent, and a reservation that is not ours any more is refused."""
+    with EmbeddingCache(sample_cache_config(namespace, capacity_bytes=1 << 20)) as cache:
+        node = cache._node
+        with cache.reserve(key_of("a")) as a, cache.reserve(key_of("b")) as b:
+            assert a.owned and b.owned
+            assert node.allocate(a.slot, a.gen, 600 << 10) == 0
+            node.shrink(a.slot, a.gen, 100_000)  # to 100_032: extents end on 64 bytes
+            node.shrink(a.slot, a.gen, 900 << 10)  # no-op: a shrink never grows
+            assert node.allocate(b.slot, b.gen, 800 << 10) == 100_032  # did not fit after 600 KiB
+            with pytest.raises(ReservationLost):
+                node.shrink(a.slot, a.gen + 1, 0)
+            node.shrink(a.slot, a.gen, 0)  # all of it back: b's next extent starts at 0
+            assert node.allocate(b.slot, b.gen, 64) == 0

@@ -1,6 +1,7 @@
-"""Pulls straight into node memory (a node with its own Mooncake segment): no staging copy, and a
-transfer that hangs sets its memory aside until it can no longer write there (freed as soon as
-the late transfer completes)."""
+"""Pulls straight into node memory (a node with its own Mooncake segment): no staging copy, an
+extent sized by the last entry of the key's kind (no size lookup), and a transfer that hangs sets
+its memory aside until it can no longer write there (freed as soon as the late transfer
+completes)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,10 @@ import tracemalloc
 from collections.abc import Iterator
 from typing import Any
 
+import pytest
+
 from shmcache import CacheConfig, EmbeddingCache
+from shmcache.remote.store import RemoteStore, remote_key
 from shmcache.testing import MooncakeMaster
 from tests.helpers import kill, spawn, wait_for
 from tests.test_remote import remote_config
@@ -78,6 +82,66 @@ def test_a_pull_lands_in_node_memory_without_a_staging_copy(
             assert fingerprint(value) == fingerprint(expected_value("frame", SIZE))
             assert peak < 1 << 20, f"a 4 MiB pull allocated {peak} bytes: it went through a buffer"
             del value
+
+
+def test_a_pull_sizes_its_extent_by_the_last_entry_of_its_kind(
+    shmcache_mooncake: MooncakeMaster,
+    shmcache_namespace: str,
+    other_namespace: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """After its first pull node B asks the store for no size: an object smaller than the guess
+    gets its extent cut to its size; one larger is refused before any transfer, then pulled after
+    a size lookup."""
+    numels = {"large": SIZE, "small": SIZE // 4, "large again": SIZE}  # all image keys of raw bytes
+    node_a = remote_config(shmcache_namespace, shmcache_mooncake.address)
+    looked_up: list[str] = []
+    size_of = RemoteStore.size_of
+
+    def counted(store: RemoteStore, name: str) -> int | None:
+        looked_up.append(name)
+        return size_of(store, name)
+
+    with EmbeddingCache(node_a) as a:
+        for name, numel in numels.items():
+            a.put(key_of(name), expected_value(name, numel))
+        wait_for(lambda: a.stats()["remote_publishes"] == len(numels), what="the publishes")
+        monkeypatch.setattr(RemoteStore, "size_of", counted)
+        with EmbeddingCache(dataclasses.replace(node_a, namespace=other_namespace)) as b:
+            for name, numel in numels.items():
+                value = b.get_or_compute(key_of(name), lambda: pytest.fail("node B computed"))
+                assert fingerprint(value) == fingerprint(expected_value(name, numel))
+                del value
+            stats = b.stats()
+            assert stats["hits_remote"] == 3 and stats["remote_set_aside"] == stats["remote_errors"] == 0
+            assert stats["bytes"] == a.stats()["bytes"]  # each extent cut to its entry, as on node A
+    prefix = node_a.remote_key_prefix
+    assert looked_up == [remote_key(prefix, key_of(name)) for name in ("large", "large again")]
+
+
+def test_a_miss_gives_the_extent_of_its_guess_back_to_the_compute(
+    shmcache_mooncake: MooncakeMaster, shmcache_namespace: str, other_namespace: str
+) -> None:
+    """A node miss the store does not have either: the extent made for the guess goes back before
+    the compute, so a node with room for one entry stores the value computed."""
+    node_a = remote_config(shmcache_namespace, shmcache_mooncake.address)
+    entry_bytes = 2 * SIZE + 4096
+    node_b = dataclasses.replace(node_a, namespace=other_namespace, capacity_bytes=entry_bytes * 3 // 2)
+    with EmbeddingCache(node_a) as a:
+        a.put(key_of("seen"), expected_value("seen", SIZE))
+        wait_for(lambda: a.stats()["remote_publishes"] == 1, what="the publish")
+        with EmbeddingCache(node_b) as b:
+            seen = b.get_or_compute(key_of("seen"), lambda: pytest.fail("node B computed"))
+            del seen
+            b.flush_releases()  # "seen" can be evicted: the guess for "new" makes room so
+            value = b.get_or_compute(key_of("new"), lambda: expected_value("new", SIZE))
+            assert fingerprint(value) == fingerprint(expected_value("new", SIZE))
+            del value
+            stats = b.stats()
+            assert stats["hits_remote"] == 1 and stats["computes"] == 1 and stats["uncacheable"] == 0, stats
+            cached = b.get(key_of("new"))
+            assert cached is not None and fingerprint(cached) == fingerprint(expected_value("new", SIZE))
+            del cached
 
 
 def test_a_transfer_that_hangs_sets_its_memory_aside_until_it_ends(

@@ -2,17 +2,18 @@
 
     python -m tools.bench_remote [--rounds 5]
 
-Node A (one namespace) computes and publishes `rounds + 2` entries of 8 MiB and of 100 MiB. Node B
-(another namespace, one process, room for two entries) gets them one after the other: each a node
-miss, a size lookup and one transfer from the store under the reservation, verification and the
-seal. The first two pulls are not timed (they open B's connection to A's segment and fault B's
-arena pages in); each later one lands in memory an earlier one used, as in a node in steady
-state. "raw get_into" is a bare Mooncake client reading the same objects into registered, warm
-shared memory (sizes known beforehand); "raw get_size + get_into" adds the size lookup any reader of an
-object of unknown size makes. "recompute" is a CPU
-matmul forward with the same output size. Then a request of 64 small items (4 KiB each) on a fresh
-node B: one `try_reserve_many` (one batch pull) against 64 `get_or_compute` calls (64 single
-pulls). Everything runs on loopback against a real mooncake_master.
+Node A (one namespace) computes and publishes 4 x `rounds` + 2 entries of 8 MiB and `rounds` + 2
+of 100 MiB. Node B (another namespace, one process, room for two entries) gets them one after the
+other: each a node miss and one transfer from the store under the reservation (into an extent of
+the last size it saw: no size lookup after its first pull), verification and the seal. The first
+two pulls are not timed (they open B's connection to A's segment and fault B's arena pages in);
+each later one lands in memory an earlier one used, as in a node in steady state. "raw get_into"
+is a bare Mooncake client reading the same objects into registered, warm shared memory (sizes
+known beforehand); "raw get_size + get_into" adds the size lookup any reader of an object of
+unknown size makes. "recompute" is a CPU matmul forward with the same output size. Then a
+request of 64 small items (4 KiB each) on a fresh node B: one `try_reserve_many` (one batch pull)
+against 64 `get_or_compute` calls (64 single pulls). Everything runs on loopback against a real
+mooncake_master.
 """
 
 from __future__ import annotations
@@ -33,6 +34,13 @@ from shmcache.testing import MooncakeMaster
 from tools.benchkit import key
 
 SIZES = {"8 MiB": 8 << 20, "100 MiB": 100 << 20}
+STEADY_BYTES = 32 << 20  # a size smaller than this is pulled this many bytes' worth of times more
+
+
+def _pulls(rounds: int, nbytes: int) -> int:
+    """Timed pulls of a size: `rounds`, times STEADY_BYTES // nbytes for small ones (their medians
+    would otherwise move with a few noisy transfers of a few milliseconds)."""
+    return rounds * max(1, STEADY_BYTES // nbytes)
 
 
 def _config(namespace: str, master: str, prefix: str, capacity: int, segment: int) -> CacheConfig:
@@ -121,13 +129,12 @@ def _side_by_side(
 def run(rounds: int) -> list[dict[str, float | str]]:
     master = MooncakeMaster()
     prefix = f"bench-{uuid.uuid4().hex[:6]}"
-    largest = max(SIZES.values())
     node_a = _config(
         f"bench-a-{uuid.uuid4().hex[:6]}",
         master.address,
         prefix,
-        largest * 3 // 2,
-        (rounds + 3) * largest * len(SIZES),
+        max(SIZES.values()) * 3 // 2,
+        2 * sum((_pulls(rounds, nbytes) + 3) * nbytes for nbytes in SIZES.values()),  # half used
     )
     rows: list[dict[str, float | str]] = []
     try:
@@ -143,7 +150,7 @@ def run(rounds: int) -> list[dict[str, float | str]]:
                 lambda counter, n: None,
             )
             for label, nbytes in SIZES.items():
-                names = [f"{label}-{i}" for i in range(rounds + 2)]
+                names = [f"{label}-{i}" for i in range(_pulls(rounds, nbytes) + 2)]
                 _publish(a, names, nbytes)
                 timed = _side_by_side(raw, master.address, prefix, names, nbytes)
                 compute_times = []
@@ -208,8 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rows = run(args.rounds)
     print(
-        "| value | raw get_into | raw get_size + get_into | cross-node hit (miss, size, pull, "
-        "verify, seal) | vs raw get_into | vs raw get_size + get_into | recompute (matmul) |"
+        "| value | raw get_into | raw get_size + get_into | cross-node hit (miss, pull, verify, "
+        "seal) | vs raw get_into | vs raw get_size + get_into | recompute (matmul) |"
     )
     print("|---|---|---|---|---|---|---|")
     for r in rows[:-1]:

@@ -21,10 +21,15 @@ from shmcache.node.layout import Counter
 from shmcache.node.sections import Sections
 from shmcache.node.slots import SlotState, SlotTable
 
-__all__ = ["ALIGN", "Allocator"]
+__all__ = ["ALIGN", "Allocator", "aligned"]
 
 ALIGN: Final = 64
 FIRST_LOOK: Final = 8  # eviction candidates ordered by the first look (native.c: a selection, not a sort)
+
+
+def aligned(nbytes: int) -> int:
+    """The extent that holds `nbytes`: extents start and end on `ALIGN` bytes."""
+    return (nbytes + ALIGN - 1) // ALIGN * ALIGN
 
 
 class Allocator:

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from shmcache.errors import CapacityError, CorruptSegment, ReservationLost
 from shmcache.kernel.namespace import Segments
 from shmcache.node import crashpoints
-from shmcache.node.allocator import ALIGN, Allocator
+from shmcache.node.allocator import Allocator, aligned
 from shmcache.node.attachments import AttachmentTable
 from shmcache.node.clients import ClientIdentity, ClientTable
 from shmcache.node.counters import Counters
@@ -150,7 +150,7 @@ class NodeIndex:
     def allocate(self, slot: int, gen: int, nbytes: int) -> int:
         """Give our reservation (slot, gen) `nbytes` of arena (replacing any extent): the offset.
         `CapacityError` (no room) or `ReservationLost` (taken over) leave it unchanged."""
-        need = (nbytes + ALIGN - 1) // ALIGN * ALIGN
+        need = aligned(nbytes)
         if need > self.capacity:
             raise CapacityError(f"value of {nbytes} bytes exceeds capacity_bytes={self.capacity}")
         with self.sections.node():
@@ -159,6 +159,16 @@ class NodeIndex:
                 if not self.reservations.set_extent(slot, gen, offset, need):
                     raise ReservationLost(f"reservation (slot {slot}, gen {gen}) was taken over")
         return offset
+
+    def shrink(self, slot: int, gen: int, nbytes: int) -> None:
+        """Cut our reservation's extent to its first `nbytes` (0: give it all back). This frees
+        arena, which needs only the stripe section (the allocator's rule). `ReservationLost` if
+        it was taken over."""
+        with self.sections.stripe(slot // self.layout.ways):
+            record = self.slots.read(slot)
+            size = min(aligned(nbytes), record.size) if record is not None else 0
+            if record is None or not self.reservations.set_extent(slot, gen, record.offset, size):
+                raise ReservationLost(f"reservation (slot {slot}, gen {gen}) was taken over")
 
     def seal(self, slot: int, gen: int, pins: int, attachment: bytes | None) -> SealedEntry:
         """Fenced seal of our reservation (its extent holds the entry) with `pins` pins (none if we

@@ -3,7 +3,7 @@
 ::
 
     EMPTY ──reserve──► RESERVED(owner, gen) ──seal (fenced: same owner and gen)──► SEALED
-      ▲                  │ │ │ allocate: the extent is set (still RESERVED, same gen)       │
+      ▲                  │ │ │ allocate, shrink: the extent is set (RESERVED, same gen)     │
       │                  │ │ └ takeover of a dead owner: RESERVED(new owner, gen + 1)       │
       ├──abandon, dead───┘ └──set aside (fenced, one pin of the owner)──┐                   │
       ├──────────────── evict / expire / drop, unreferenced ◄───────────┼───────────────────┤
@@ -78,7 +78,7 @@ EMPTY, RESERVED, SEALED, STALE = SlotState
 TRANSITIONS: Final[frozenset[tuple[SlotState, SlotState]]] = frozenset(
     {
         (EMPTY, RESERVED),  # reserve
-        (RESERVED, RESERVED),  # allocate an extent; take over a dead owner's reservation
+        (RESERVED, RESERVED),  # allocate or shrink an extent; take over a dead owner's reservation
         (RESERVED, SEALED),  # seal
         (RESERVED, EMPTY),  # abandon; a dead owner's reservation freed
         (RESERVED, STALE),  # set aside: a failed transfer may still write its extent

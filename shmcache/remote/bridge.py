@@ -3,14 +3,21 @@
 A pull runs under the node reservation (N processes of a node that miss together cause one pull).
 With its own segment, this process pulls straight into the reservation's extent of the arena
 (not yet visible to anyone), verifies it there (entry header and value format) and seals it
-through the node's fenced seal: no copy. A transfer that failed or timed out may still write into
-that extent after the call returned, so the reservation is *set aside* (slots.py): the memory
-stays out of the allocator's hands until the late call completes the whole transfer, or else
-until this process detaches or dies; the caller looks the key up again. A thin client of the
-node's holder can only transfer through the holder's pool: its pulls land in a pool buffer and
-are copied after verification. Many misses of one request are pulled in one `batch_get_into`
-(`pull_many`, through the pull buffer). A publish pins the entry until the store has read it,
-and never blocks (store.py's bounded queue).
+through the node's fenced seal: no copy.
+
+The extent is sized by a guess, the last entry size this process saw for the key's modality and
+kind, so a pull asks the store for nothing but the `get_into`. The extent is then cut to what
+arrived; an object larger than the guess is refused before any transfer starts, and the pull asks
+for the size. A miss, or a pull that brings nothing, gives the extent back (the room a guess made
+on a miss is what the compute that follows needs, as long as the kind's sizes are steady).
+
+A transfer that failed or timed out may still write into its extent after the call returned, so
+the reservation is *set aside* (slots.py): the memory stays out of the allocator's hands until the
+late call completes the whole transfer, or else until this process detaches or dies; the caller
+looks the key up again. A thin client of the node's holder can only transfer through the holder's
+pool: its pulls land in a pool buffer and are copied after verification. Many misses of one
+request are pulled in one `batch_get_into` (`pull_many`, through the pull buffer). A publish pins
+the entry until the store has read it, and never blocks (store.py's bounded queue).
 """
 
 from __future__ import annotations
@@ -31,13 +38,14 @@ from shmcache.format import decode, entry
 from shmcache.format.values import Value
 from shmcache.keys.key import EmbeddingCacheKey
 from shmcache.node.index import NodeIndex
-from shmcache.node.layout import Counter, needle_of
+from shmcache.node.layout import Counter, key_meta, needle_of
 from shmcache.node.slots import FailureKind, SealedEntry
 from shmcache.process.reservation import Reservation
 from shmcache.process.views import Views
 from shmcache.remote import lease
+from shmcache.remote.answers import Transfer, transferred
 from shmcache.remote.staging import LateCall
-from shmcache.remote.store import RemoteStore, Transfer, remote_key
+from shmcache.remote.store import RemoteStore, remote_key
 
 __all__ = ["BATCH_ITEM_BYTES", "LOOK_AGAIN", "LookAgain", "Pulled", "RemoteBridge"]
 
@@ -58,6 +66,13 @@ class LookAgain(enum.Enum):
 
 LOOK_AGAIN: Final = LookAgain.LOOK_AGAIN
 Pulled = Value | None | LookAgain  # a value; None: a miss, the reservation still ours; LOOK_AGAIN
+
+
+class NotInPlace(enum.Enum):
+    """Why a pull into the reservation's extent brought nothing though another way may."""
+
+    NO_ROOM = "no room in the arena"  # the pull buffer may still bring it
+    LARGER = "the object is larger than the extent"  # it was a guess: ask the store for the size
 
 
 class RemoteBridge:
@@ -83,6 +98,7 @@ class RemoteBridge:
         self._single_flight, self._lease_s = single_flight, lease_s
         self._node_tag = lease.node_tag(node.segments.names.index)  # in our lease tokens
         self._leases: dict[tuple[int, int], lease.Lease] = {}  # by the (slot, gen) it covers
+        self._sizes: dict[tuple[int, int], int] = {}  # by (modality, key kind): the last entry's size
         self._tainted = False  # a transfer into the arena failed: its memory is set aside
         self._kept: list[Reservation] = []  # tainted, and no pin to set it aside: kept till close
         self._closing, self._closed = threading.Lock(), False
@@ -114,49 +130,67 @@ class RemoteBridge:
         for res in self._kept if closed else ():
             self._node.abandon(res.slot, res.gen, FailureKind.UNCACHEABLE, "a remote transfer failed")
 
-    def pull(self, reservation: Reservation) -> Pulled:
+    def pull(self, reservation: Reservation, *, guess: bool = True) -> Pulled:
         """Under our `reservation`: bring the key's entry from the store into node memory and seal
-        it; the value, None on a miss (the reservation is then still ours), or LOOK_AGAIN."""
-        if not self.store.available:
+        it; the value, None on a miss (the reservation is then still ours), or LOOK_AGAIN. With
+        `guess`, a pull into node memory first tries an extent of the last size this process
+        saw for the key's modality and kind, without asking the store for the size."""
+        store = self.store
+        if not store.available:
             return None
         name = remote_key(self._prefix, reservation.key)
-        size = self.store.size_of(name)
+        in_place = self._node.pins.spare >= 2 and store.pulls_in_place(self._arena_address, self._arena_bytes)
+        room = self._sizes.get(key_meta(reservation.key)) if guess and in_place else None
+        if room is not None:
+            pulled = self._pull_in_place(reservation, name, room)
+            if not isinstance(pulled, NotInPlace):
+                return pulled
+        size = store.size_of(name)
         if size is None:
             return None
         if size <= entry.ENTRY_HEADER_SIZE or size > self._node.capacity:
             self._node.count(Counter.REMOTE_REJECTED)
             return None
-        if self._node.pins.spare >= 2 and self.store.pulls_in_place(self._arena_address, self._arena_bytes):
-            try:
-                return self._pull_in_place(reservation, name, size)
-            except CapacityError:
-                pass  # no room: a private copy through the pull buffer
-        with self._lock:
-            return self._settle(reservation, name, self.store.fetch(name, size))
+        if in_place:
+            pulled = self._pull_in_place(reservation, name, size)
+            if not isinstance(pulled, NotInPlace):
+                return pulled
+        with self._lock:  # no room in the arena: a private copy through the pull buffer
+            return self._settle(reservation, name, store.fetch(name, size))
 
-    def _pull_in_place(self, reservation: Reservation, name: str, size: int) -> Pulled:
-        """`pull` into the reservation's own extent (two spare pin records: one to deliver, one to
-        set the extent aside if the transfer fails); `CapacityError` if the arena has no room."""
+    def _pull_in_place(self, reservation: Reservation, name: str, room: int) -> Pulled | NotInPlace:
+        """`pull` into an extent of `room` bytes given to the reservation (the object's size, or a
+        guess: the extent is then cut to what arrived). It needs two spare pin records: one to
+        deliver, one to set the extent aside if the transfer fails. A pull that brings no value
+        gives the extent back; `NotInPlace` when another way may still bring it."""
         node, slot, gen = self._node, reservation.slot, reservation.gen
-        offset = node.allocate(slot, gen, size)
+        try:
+            offset = node.allocate(slot, gen, room)
+        except CapacityError:
+            return NotInPlace.NO_ROOM
         stuck: list[Future[Any]] = []
         try:
-            outcome = self.store.fetch_into(name, self._arena_address + offset, size, stuck.append)
+            fetched = self.store.fetch_into(name, self._arena_address + offset, room, stuck.append)
         except BaseException:  # interrupted while the transfer may go on
-            self._set_aside(reservation, None, size)
+            self._set_aside(reservation, None)
             raise
-        if outcome is Transfer.TAINTED:
-            self._set_aside(reservation, stuck[0] if stuck else None, size)
+        if fetched.outcome is Transfer.TAINTED:
+            self._set_aside(reservation, stuck[0] if stuck else None)
             return LOOK_AGAIN
-        if outcome is Transfer.UNTOUCHED:
-            return None
+        size = fetched.nbytes  # 0 unless DONE
+        if size < room:
+            node.shrink(slot, gen, size)  # all of it back when nothing arrived
+        if fetched.outcome is not Transfer.DONE:
+            return NotInPlace.LARGER if fetched.outcome is Transfer.LARGER else None
         pulled = memoryview(self._arena)[offset : offset + size]
         try:
             if not self._verified(reservation, name, pulled):
-                return None  # the caller computes; its commit gives the reservation a new extent
+                node.shrink(slot, gen, 0)
+                return None  # the caller computes
             entry.set_generation(pulled, gen)
         finally:
             pulled.release()
+        self._sizes[key_meta(reservation.key)] = size
         sealed = node.seal(slot, gen, self._views.pins_for(reservation.request_id), None)
         node.count(Counter.HITS_REMOTE)
         if not sealed.pinned:
@@ -165,7 +199,7 @@ class RemoteBridge:
         value = self._views.deliver(key, needle_of(key), sealed, request_id)
         return LOOK_AGAIN if value is None else value
 
-    def _set_aside(self, reservation: Reservation, call: Future[Any] | None, size: int) -> None:
+    def _set_aside(self, reservation: Reservation, call: Future[Any] | None) -> None:
         """A transfer into the reservation's extent failed or was not waited for: set the
         reservation aside (kept reserved till close if that cannot be done). If the call that
         outlived its wait later completes the whole transfer, nothing writes there any more and
@@ -180,13 +214,13 @@ class RemoteBridge:
         if not set_aside:
             self._kept.append(reservation)  # stays reserved (ours) until close
         elif call is not None:
-            call.add_done_callback(lambda done: self._transfer_ended(done, slot, gen, size))
+            call.add_done_callback(lambda done: self._transfer_ended(done, slot, gen))
 
-    def _transfer_ended(self, call: Future[Any], slot: int, gen: int, size: int) -> None:
+    def _transfer_ended(self, call: Future[Any], slot: int, gen: int) -> None:
         """A set-aside extent's late call returned: free it if the whole transfer completed (a
         failed one may leave slices in flight: that memory waits for the detach)."""
         with self._closing:
-            if self._closed or not LateCall(call, lambda rc: rc == size).ended():
+            if self._closed or not LateCall(call, transferred).ended():
                 return
             self._node.release([(slot, gen)])
 
@@ -203,7 +237,7 @@ class RemoteBridge:
             return value
         name = remote_key(self._prefix, reservation.key)
         token, value = lease.hold_or_wait(
-            self.store, name, self._lease_s, self._node_tag, lambda: self.pull(reservation)
+            self.store, name, self._lease_s, self._node_tag, lambda: self.pull(reservation, guess=False)
         )
         if token is not None:
             self._leases[(reservation.slot, reservation.gen)] = lease.Lease(name, token)
@@ -324,6 +358,7 @@ class RemoteBridge:
             unpublished()
             return
         name = remote_key(self._prefix, key)
+        self._sizes[key_meta(key)] = sealed.size  # what this node's pulls of such keys guess
         address = self._arena_address + sealed.offset
         if not self.store.publish(name, address, sealed.size, done):
             done(False)

@@ -22,7 +22,6 @@ Loopback only in tests: P2PHANDSHAKE metadata, `MC_TCP_BIND_ADDRESS=127.0.0.1`.
 from __future__ import annotations
 
 import ctypes
-import enum
 import logging
 import os
 import socket
@@ -39,45 +38,28 @@ from shmcache.config import CacheConfig
 from shmcache.errors import InvalidConfig, RemoteUnavailable
 from shmcache.keys.key import KEY_SCHEMA_VERSION, EmbeddingCacheKey
 from shmcache.node.layout import Counter
+from shmcache.remote.answers import (
+    BUFFER_TOO_SMALL,
+    MASTER_GONE,
+    NOT_AVAILABLE,
+    OBJECT_NOT_FOUND,
+    TIMED_OUT,
+    Fetched,
+    Transfer,
+    batch_clean,
+    taints,
+    transferred,
+)
 from shmcache.remote.health import Health
 from shmcache.remote.staging import LateCall, Staging
 
-__all__ = ["RemoteStore", "Transfer", "free_port", "remote_key"]
+__all__ = ["RemoteStore", "free_port", "remote_key"]
 
 log = logging.getLogger("shmcache")
 
-# Mooncake codes that mean "not available" (a miss), never data: see ../shared/MOONCAKE.md
-NOT_AVAILABLE = {-200, -704, -706, -707, -800, -900, -901}
-MASTER_GONE = {-900, -901}  # RPC_FAIL, RPC timeout: an outage begins
-OBJECT_NOT_FOUND = -704
-BUFFER_TOO_SMALL = -600
-TRANSFER_FAIL = -800  # also what Mooncake answers when it gave up waiting (60 s) on slices in flight
-TIMED_OUT: Any = object()  # `_call`'s answer when Mooncake did not answer within remote_timeout_s
 _PROBE_BUFFER = 1 << 20  # a thin client's local buffer: the recovery probe's 1-byte put
 _TOO_LARGE = 1  # not a Mooncake code: a value larger than the thin client's publish buffer
 PROBE_KEY = "shmcache@probe"  # the recovery probe's 1-byte value (first writer wins: never rewritten)
-
-
-class Transfer(enum.Enum):
-    """How a `get_into` left the memory it was given."""
-
-    DONE = "done"  # the object's bytes are there
-    UNTOUCHED = "untouched"  # a miss, or the master gone: nothing was transferred
-    TAINTED = "tainted"  # failed or timed out: it may still be written, so it is never reused
-
-
-def _batch_clean(rcs: Any) -> bool:
-    """Whether a `batch_get_into` answer leaves no transfer writing into its buffer."""
-    return isinstance(rcs, list) and not any(rc != BUFFER_TOO_SMALL and _taints(rc) for rc in rcs)
-
-
-def _taints(rc: Any) -> bool:
-    """Whether a failed `get_into` answer may leave a transfer writing into its memory: a call we
-    stopped waiting for, a failed transfer (Mooncake gives up on slices still in flight after
-    60 s and answers TRANSFER_FAIL), or an unexpected code."""
-    if rc is TIMED_OUT or rc == TRANSFER_FAIL:
-        return True
-    return isinstance(rc, int) and rc < 0 and rc not in NOT_AVAILABLE
 
 
 def remote_key(prefix: str, key: EmbeddingCacheKey) -> str:
@@ -225,13 +207,13 @@ class RemoteStore:
             return None
         late: list[Future[Any]] = []
         try:
-            outcome = self.fetch_into(name, int(buffer.ctypes.data), size, late.append)
+            fetched = self.fetch_into(name, int(buffer.ctypes.data), size, late.append)
         except BaseException:  # interrupted while the transfer may go on
             staging.set_aside(None)
             raise
-        if outcome is Transfer.TAINTED:
-            staging.set_aside(LateCall(late[0], lambda rc: rc == size) if late else None)
-        return buffer[:size] if outcome is Transfer.DONE else None
+        if fetched.outcome is Transfer.TAINTED:
+            staging.set_aside(LateCall(late[0], transferred) if late else None)
+        return buffer[: fetched.nbytes] if fetched.outcome is Transfer.DONE else None
 
     def pulls_in_place(self, address: int, nbytes: int) -> bool:
         """Whether a pull can land straight in [address, address + nbytes): memory registered by
@@ -241,20 +223,20 @@ class RemoteStore:
         )
 
     def fetch_into(
-        self, name: str, address: int, size: int, stuck: Callable[[Future[Any]], None] | None = None
-    ) -> Transfer:
-        """`get_into` of the `size` stored bytes of `name` at `address` (registered memory); a
-        call that outlived its wait is handed to `stuck` (TAINTED)."""
-        rc = self._call("get_into", name, address, size, stuck=stuck)
-        if rc == size:
-            return Transfer.DONE
-        if not _taints(rc):
-            if isinstance(rc, int) and rc >= 0:  # a stored object of another size: not ours
-                self._count(Counter.REMOTE_ERRORS, 1)
-            return Transfer.UNTOUCHED
+        self, name: str, address: int, room: int, stuck: Callable[[Future[Any]], None] | None = None
+    ) -> Fetched:
+        """`get_into` of the stored bytes of `name` at `address` (registered memory, `room` bytes:
+        the object's size or more); a call that outlived its wait is handed to `stuck` (TAINTED)."""
+        rc = self._call("get_into", name, address, room, stuck=stuck)
+        if transferred(rc):
+            return Fetched(Transfer.DONE, rc)
+        if rc == BUFFER_TOO_SMALL:
+            return Fetched(Transfer.LARGER)
+        if not taints(rc):
+            return Fetched(Transfer.UNTOUCHED)
         if rc is not TIMED_OUT:
             self._count(Counter.REMOTE_ERRORS, 1)
-        return Transfer.TAINTED
+        return Fetched(Transfer.TAINTED)
 
     def put_bytes(self, name: str, data: bytes) -> bool:
         """`put` (first writer wins); False when the store does not answer."""
@@ -297,7 +279,7 @@ class RemoteStore:
             raise
         if not isinstance(rcs, list):
             if rcs is TIMED_OUT:  # the transfers may still write there
-                staging.set_aside(LateCall(late[0], _batch_clean) if late else None)
+                staging.set_aside(LateCall(late[0], batch_clean) if late else None)
             return found, []
         larger = []
         for i, rc in enumerate(rcs):
@@ -305,9 +287,9 @@ class RemoteStore:
                 found[i] = buffer[i * cap : i * cap + rc]
             elif rc == BUFFER_TOO_SMALL:
                 larger.append(i)
-            elif _taints(rc):
+            elif taints(rc):
                 self._count(Counter.REMOTE_ERRORS, 1)
-        if not _batch_clean(rcs):
+        if not batch_clean(rcs):
             staging.set_aside(None)  # a failed transfer may still write into its part of the buffer
         return found, larger
 

@@ -1,0 +1,66 @@
+"""Mooncake's answers: what each return code of a call means, and for the memory a `get_into`
+was given, whether a transfer may still write there (see ../shared/MOONCAKE.md for the codes)."""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, NamedTuple
+
+__all__ = [
+    "BUFFER_TOO_SMALL",
+    "MASTER_GONE",
+    "NOT_AVAILABLE",
+    "OBJECT_NOT_FOUND",
+    "TIMED_OUT",
+    "TRANSFER_FAIL",
+    "Fetched",
+    "Transfer",
+    "batch_clean",
+    "taints",
+    "transferred",
+]
+
+# Mooncake codes that mean "not available" (a miss), never data: see ../shared/MOONCAKE.md
+NOT_AVAILABLE = {-200, -704, -706, -707, -800, -900, -901}
+MASTER_GONE = {-900, -901}  # RPC_FAIL, RPC timeout: an outage begins
+OBJECT_NOT_FOUND = -704
+BUFFER_TOO_SMALL = -600
+TRANSFER_FAIL = -800  # also what Mooncake answers when it gave up waiting (60 s) on slices in flight
+TIMED_OUT: Any = object()  # `_call`'s answer when Mooncake did not answer within remote_timeout_s
+
+
+class Transfer(enum.Enum):
+    """How a `get_into` left the memory it was given."""
+
+    DONE = "done"  # the object's bytes are there
+    UNTOUCHED = "untouched"  # a miss, or the master gone: nothing was transferred
+    LARGER = "larger"  # the object is larger than the memory given: nothing was transferred
+    TAINTED = "tainted"  # failed or timed out: it may still be written, so it is never reused
+
+
+class Fetched(NamedTuple):
+    """A `get_into`'s outcome and, when DONE, the object's size (at most the room it was given)."""
+
+    outcome: Transfer
+    nbytes: int = 0
+
+
+def transferred(rc: Any) -> bool:
+    """Whether a `get_into` answer means the whole object arrived: its size (at most the room
+    given; nothing is written past it). Nothing writes into that memory any more."""
+    return isinstance(rc, int) and rc >= 0
+
+
+def batch_clean(rcs: Any) -> bool:
+    """Whether a `batch_get_into` answer leaves no transfer writing into its buffer."""
+    return isinstance(rcs, list) and not any(taints(rc) for rc in rcs)
+
+
+def taints(rc: Any) -> bool:
+    """Whether a failed `get_into` answer may leave a transfer writing into its memory: a call we
+    stopped waiting for, a failed transfer (Mooncake gives up on slices still in flight after
+    60 s and answers TRANSFER_FAIL), or an unexpected code. BUFFER_TOO_SMALL is answered before
+    any transfer starts (checked: the memory given stays as it was)."""
+    if rc is TIMED_OUT or rc == TRANSFER_FAIL:
+        return True
+    return isinstance(rc, int) and rc < 0 and rc not in NOT_AVAILABLE and rc != BUFFER_TOO_SMALL
