@@ -84,17 +84,18 @@ def test_a_pull_lands_in_node_memory_without_a_staging_copy(
             del value
 
 
-def test_a_pull_sizes_its_extent_by_the_last_entry_of_its_kind(
+def test_a_pull_sizes_its_extent_by_a_steady_size_of_its_kind(
     shmcache_mooncake: MooncakeMaster,
     shmcache_namespace: str,
     other_namespace: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """After its first pull node B asks the store for no size: an object smaller than the guess
-    gets its extent cut to its size; one larger is refused before any transfer, then pulled after
-    a size lookup."""
-    numels = {"large": SIZE, "small": SIZE // 4, "large again": SIZE}  # all image keys of raw bytes
-    node_a = remote_config(shmcache_namespace, shmcache_mooncake.address)
+    """Once two entries of a kind had one size, node B pulls the next without asking the store
+    for its size: an object smaller than the guess gets its extent cut to its size; one larger is
+    refused before any transfer, then pulled after a size lookup. A size that just changed is
+    not a guess."""
+    numels = {"large 1": SIZE, "large 2": SIZE, "small 1": SIZE // 4, "small 2": SIZE // 4, "large 3": SIZE}
+    node_a = remote_config(shmcache_namespace, shmcache_mooncake.address)  # all: image keys of raw bytes
     looked_up: list[str] = []
     size_of = RemoteStore.size_of
 
@@ -113,10 +114,11 @@ def test_a_pull_sizes_its_extent_by_the_last_entry_of_its_kind(
                 assert fingerprint(value) == fingerprint(expected_value(name, numel))
                 del value
             stats = b.stats()
-            assert stats["hits_remote"] == 3 and stats["remote_set_aside"] == stats["remote_errors"] == 0
+            assert stats["hits_remote"] == 5 and stats["remote_set_aside"] == stats["remote_errors"] == 0
             assert stats["bytes"] == a.stats()["bytes"]  # each extent cut to its entry, as on node A
     prefix = node_a.remote_key_prefix
-    assert looked_up == [remote_key(prefix, key_of(name)) for name in ("large", "large again")]
+    sized = ("large 1", "large 2", "small 2", "large 3")  # "small 1" guessed large, "large 3" small
+    assert looked_up == [remote_key(prefix, key_of(name)) for name in sized]
 
 
 def test_a_miss_gives_the_extent_of_its_guess_back_to_the_compute(
@@ -128,17 +130,19 @@ def test_a_miss_gives_the_extent_of_its_guess_back_to_the_compute(
     entry_bytes = 2 * SIZE + 4096
     node_b = dataclasses.replace(node_a, namespace=other_namespace, capacity_bytes=entry_bytes * 3 // 2)
     with EmbeddingCache(node_a) as a:
-        a.put(key_of("seen"), expected_value("seen", SIZE))
-        wait_for(lambda: a.stats()["remote_publishes"] == 1, what="the publish")
+        for name in ("seen 1", "seen 2"):
+            a.put(key_of(name), expected_value(name, SIZE))
+        wait_for(lambda: a.stats()["remote_publishes"] == 2, what="the publishes")
         with EmbeddingCache(node_b) as b:
-            seen = b.get_or_compute(key_of("seen"), lambda: pytest.fail("node B computed"))
-            del seen
-            b.flush_releases()  # "seen" can be evicted: the guess for "new" makes room so
+            for name in ("seen 1", "seen 2"):  # a steady size: the next pull of the kind guesses it
+                seen = b.get_or_compute(key_of(name), lambda: pytest.fail("node B computed"))
+                del seen
+                b.flush_releases()  # unpinned: the next allocation can evict it
             value = b.get_or_compute(key_of("new"), lambda: expected_value("new", SIZE))
             assert fingerprint(value) == fingerprint(expected_value("new", SIZE))
             del value
             stats = b.stats()
-            assert stats["hits_remote"] == 1 and stats["computes"] == 1 and stats["uncacheable"] == 0, stats
+            assert stats["hits_remote"] == 2 and stats["computes"] == 1 and stats["uncacheable"] == 0, stats
             cached = b.get(key_of("new"))
             assert cached is not None and fingerprint(cached) == fingerprint(expected_value("new", SIZE))
             del cached

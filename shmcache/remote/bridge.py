@@ -5,11 +5,11 @@ With its own segment, this process pulls straight into the reservation's extent 
 (not yet visible to anyone), verifies it there (entry header and value format) and seals it
 through the node's fenced seal: no copy.
 
-The extent is sized by a guess, the last entry size this process saw for the key's modality and
-kind, so a pull asks the store for nothing but the `get_into`. The extent is then cut to what
-arrived; an object larger than the guess is refused before any transfer starts, and the pull asks
-for the size. A miss, or a pull that brings nothing, gives the extent back (the room a guess made
-on a miss is what the compute that follows needs, as long as the kind's sizes are steady).
+Where the key's kind has a steady entry size (sizes.py), the extent is that guess, and a pull asks
+the store for nothing but the `get_into`. The extent is then cut to what arrived; an object
+larger than the guess is refused before any transfer starts, and the pull asks for the size. A
+miss, or a pull that brings nothing, gives the extent back (the room a guess made on a miss is
+what the compute that follows needs: the kind's sizes are steady).
 
 A transfer that failed or timed out may still write into its extent after the call returned, so
 the reservation is *set aside* (slots.py): the memory stays out of the allocator's hands until the
@@ -38,12 +38,13 @@ from shmcache.format import decode, entry
 from shmcache.format.values import Value
 from shmcache.keys.key import EmbeddingCacheKey
 from shmcache.node.index import NodeIndex
-from shmcache.node.layout import Counter, key_meta, needle_of
+from shmcache.node.layout import Counter, needle_of
 from shmcache.node.slots import FailureKind, SealedEntry
 from shmcache.process.reservation import Reservation
 from shmcache.process.views import Views
 from shmcache.remote import lease
 from shmcache.remote.answers import Transfer, transferred
+from shmcache.remote.sizes import SizeGuesses
 from shmcache.remote.staging import LateCall
 from shmcache.remote.store import RemoteStore, remote_key
 
@@ -98,7 +99,7 @@ class RemoteBridge:
         self._single_flight, self._lease_s = single_flight, lease_s
         self._node_tag = lease.node_tag(node.segments.names.index)  # in our lease tokens
         self._leases: dict[tuple[int, int], lease.Lease] = {}  # by the (slot, gen) it covers
-        self._sizes: dict[tuple[int, int], int] = {}  # by (modality, key kind): the last entry's size
+        self._sizes = SizeGuesses()
         self._tainted = False  # a transfer into the arena failed: its memory is set aside
         self._kept: list[Reservation] = []  # tainted, and no pin to set it aside: kept till close
         self._closing, self._closed = threading.Lock(), False
@@ -133,14 +134,14 @@ class RemoteBridge:
     def pull(self, reservation: Reservation, *, guess: bool = True) -> Pulled:
         """Under our `reservation`: bring the key's entry from the store into node memory and seal
         it; the value, None on a miss (the reservation is then still ours), or LOOK_AGAIN. With
-        `guess`, a pull into node memory first tries an extent of the last size this process
-        saw for the key's modality and kind, without asking the store for the size."""
+        `guess`, a pull into node memory first tries the extent `SizeGuesses` has for the key,
+        without asking the store for the size."""
         store = self.store
         if not store.available:
             return None
         name = remote_key(self._prefix, reservation.key)
         in_place = self._node.pins.spare >= 2 and store.pulls_in_place(self._arena_address, self._arena_bytes)
-        room = self._sizes.get(key_meta(reservation.key)) if guess and in_place else None
+        room = self._sizes.guess(reservation.key) if guess and in_place else None
         if room is not None:
             pulled = self._pull_in_place(reservation, name, room)
             if not isinstance(pulled, NotInPlace):
@@ -190,7 +191,7 @@ class RemoteBridge:
             entry.set_generation(pulled, gen)
         finally:
             pulled.release()
-        self._sizes[key_meta(reservation.key)] = size
+        self._sizes.saw(reservation.key, size)
         sealed = node.seal(slot, gen, self._views.pins_for(reservation.request_id), None)
         node.count(Counter.HITS_REMOTE)
         if not sealed.pinned:
@@ -358,7 +359,7 @@ class RemoteBridge:
             unpublished()
             return
         name = remote_key(self._prefix, key)
-        self._sizes[key_meta(key)] = sealed.size  # what this node's pulls of such keys guess
+        self._sizes.saw(key, sealed.size)
         address = self._arena_address + sealed.offset
         if not self.store.publish(name, address, sealed.size, done):
             done(False)
