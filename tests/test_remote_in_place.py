@@ -148,6 +148,36 @@ def test_a_miss_gives_the_extent_of_its_guess_back_to_the_compute(
             del cached
 
 
+def test_a_guessed_pull_on_a_hung_master_gets_its_memory_back_when_the_late_call_fails(
+    shmcache_mooncake: MooncakeMaster, shmcache_namespace: str, other_namespace: str
+) -> None:
+    """Node B's third pull of a kind guesses its extent and goes straight to `get_into`. The
+    master is hung (SIGSTOP), so the call outlives its wait: the extent is set aside and the value
+    computed. When the master dies the late call answers an RPC failure (no transfer ran), and
+    the memory comes back then, not at B's close."""
+    node_a = remote_config(shmcache_namespace, shmcache_mooncake.address)
+    node_b = dataclasses.replace(node_a, namespace=other_namespace, remote_timeout_s=1.0)
+    names = ("one", "two", "three")
+    with EmbeddingCache(node_a) as a:
+        for name in names:
+            a.put(key_of(name), expected_value(name, SIZE))
+        wait_for(lambda: a.stats()["remote_publishes"] == len(names), what="the publishes")
+        with EmbeddingCache(node_b) as b:
+            for name in names[:2]:  # a steady size: the next pull of the kind guesses it
+                pulled = b.get_or_compute(key_of(name), lambda: pytest.fail("node B computed"))
+                del pulled
+            os.kill(shmcache_mooncake.process.pid, signal.SIGSTOP)
+            try:
+                value = b.get_or_compute(key_of("three"), lambda: expected_value("three", SIZE))
+                assert fingerprint(value) == fingerprint(expected_value("three", SIZE))
+                del value
+                stats = b.stats()
+                assert (stats["remote_set_aside"], stats["stale"], stats["computes"]) == (1, 1, 1), stats
+            finally:
+                shmcache_mooncake.kill()  # a stopped process dies too: its connections reset
+            wait_for(lambda: b.stats()["stale"] == 0, timeout=60, what="the late call's answer")
+
+
 def test_a_transfer_that_hangs_sets_its_memory_aside_until_it_ends(
     shmcache_mooncake: MooncakeMaster, shmcache_namespace: str, other_namespace: str
 ) -> None:

@@ -5,7 +5,7 @@
 Node A (one namespace) computes and publishes 4 x `rounds` + 2 entries of 8 MiB and `rounds` + 2
 of 100 MiB. Node B (another namespace, one process, room for two entries) gets them one after the
 other: each a node miss and one transfer from the store under the reservation (into an extent of
-the last size it saw: no size lookup after its first pull), verification and the seal. The first
+its kind's steady size: no size lookup after its first two pulls), verification and the seal. The first
 two pulls are not timed (they open B's connection to A's segment and fault B's arena pages in);
 each later one lands in memory an earlier one used, as in a node in steady state. "raw get_into"
 is a bare Mooncake client reading the same objects into registered, warm shared memory (sizes

@@ -63,7 +63,8 @@
  *    names the pid in the held marker); everything else runs with the GIL held and never blocks.
  * 7. The allocator's look.  `gap` runs under the node section (so no other allocator takes space
  *    meanwhile) and reads every record without stripe locks, each by one copy of its fields:
- *    others may free extents while it looks, never take space.  A record read while it is being
+ *    others may free extents while it looks (evict, abandon, or shrink a reservation's extent to
+ *    a head of it), never take space.  A record read while it is being
  *    freed can mix old and new fields (an old state with the new zero offset): such phantom
  *    extents only make it more careful, because a gap starts at the running maximum of the ends
  *    seen so far (`first_fit`), so no live extent is ever handed out.  `evictable` reads the same

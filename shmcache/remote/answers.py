@@ -16,6 +16,8 @@ __all__ = [
     "Fetched",
     "Transfer",
     "batch_clean",
+    "get_into_outcome",
+    "nothing_in_flight",
     "taints",
     "transferred",
 ]
@@ -39,7 +41,7 @@ class Transfer(enum.Enum):
 
 
 class Fetched(NamedTuple):
-    """A `get_into`'s outcome and, when DONE, the object's size (at most the room it was given)."""
+    """A `get_into`'s outcome and, when DONE, the object's size (checked: at most the room given)."""
 
     outcome: Transfer
     nbytes: int = 0
@@ -49,6 +51,23 @@ def transferred(rc: Any) -> bool:
     """Whether a `get_into` answer means the whole object arrived: its size (at most the room
     given; nothing is written past it). Nothing writes into that memory any more."""
     return isinstance(rc, int) and rc >= 0
+
+
+def get_into_outcome(rc: Any, room: int) -> Fetched:
+    """How a `get_into` given `room` bytes left them when it answered `rc` (or TIMED_OUT)."""
+    if transferred(rc):
+        # more than the room given (never seen): the memory past it is not ours to trust
+        return Fetched(Transfer.DONE, rc) if rc <= room else Fetched(Transfer.TAINTED)
+    if rc == BUFFER_TOO_SMALL:
+        return Fetched(Transfer.LARGER)
+    return Fetched(Transfer.TAINTED if taints(rc) else Transfer.UNTOUCHED)
+
+
+def nothing_in_flight(rc: Any) -> bool:
+    """Whether a `get_into` that outlived its wait left nothing writing into its memory when it
+    answered `rc`: the whole object arrived, or no transfer ran (a miss, a refusal, the master
+    gone). A failed transfer may leave slices in flight."""
+    return transferred(rc) or not taints(rc)
 
 
 def batch_clean(rcs: Any) -> bool:

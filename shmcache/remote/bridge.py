@@ -43,7 +43,7 @@ from shmcache.node.slots import FailureKind, SealedEntry
 from shmcache.process.reservation import Reservation
 from shmcache.process.views import Views
 from shmcache.remote import lease
-from shmcache.remote.answers import Transfer, transferred
+from shmcache.remote.answers import Transfer, nothing_in_flight
 from shmcache.remote.sizes import SizeGuesses
 from shmcache.remote.staging import LateCall
 from shmcache.remote.store import RemoteStore, remote_key
@@ -73,7 +73,7 @@ class NotInPlace(enum.Enum):
     """Why a pull into the reservation's extent brought nothing though another way may."""
 
     NO_ROOM = "no room in the arena"  # the pull buffer may still bring it
-    LARGER = "the object is larger than the extent"  # it was a guess: ask the store for the size
+    LARGER = "the object is larger than the extent"  # after a guess: ask the store for the size
 
 
 class RemoteBridge:
@@ -146,14 +146,18 @@ class RemoteBridge:
             pulled = self._pull_in_place(reservation, name, room)
             if not isinstance(pulled, NotInPlace):
                 return pulled
+            if pulled is NotInPlace.NO_ROOM:
+                in_place = False  # as little room for the object, if it is not smaller
         size = store.size_of(name)
         if size is None:
             return None
         if size <= entry.ENTRY_HEADER_SIZE or size > self._node.capacity:
             self._node.count(Counter.REMOTE_REJECTED)
             return None
-        if in_place:
+        if in_place or (room is not None and size < room):
             pulled = self._pull_in_place(reservation, name, size)
+            if pulled is NotInPlace.LARGER:
+                return None  # stored anew since its size was asked: a miss
             if not isinstance(pulled, NotInPlace):
                 return pulled
         with self._lock:  # no room in the arena: a private copy through the pull buffer
@@ -172,8 +176,8 @@ class RemoteBridge:
         stuck: list[Future[Any]] = []
         try:
             fetched = self.store.fetch_into(name, self._arena_address + offset, room, stuck.append)
-        except BaseException:  # interrupted while the transfer may go on
-            self._set_aside(reservation, None)
+        except BaseException:  # interrupted while the transfer may go on (the call is in `stuck`)
+            self._set_aside(reservation, stuck[0] if stuck else None)
             raise
         if fetched.outcome is Transfer.TAINTED:
             self._set_aside(reservation, stuck[0] if stuck else None)
@@ -218,10 +222,11 @@ class RemoteBridge:
             call.add_done_callback(lambda done: self._transfer_ended(done, slot, gen))
 
     def _transfer_ended(self, call: Future[Any], slot: int, gen: int) -> None:
-        """A set-aside extent's late call returned: free it if the whole transfer completed (a
-        failed one may leave slices in flight: that memory waits for the detach)."""
+        """A set-aside extent's late call returned: free it if nothing writes there any more (the
+        whole object arrived, or no transfer ran; a failed one may leave slices in flight: that
+        memory waits for the detach)."""
         with self._closing:
-            if self._closed or not LateCall(call, transferred).ended():
+            if self._closed or not LateCall(call, nothing_in_flight).ended():
                 return
             self._node.release([(slot, gen)])
 

@@ -47,8 +47,9 @@ from shmcache.remote.answers import (
     Fetched,
     Transfer,
     batch_clean,
+    get_into_outcome,
+    nothing_in_flight,
     taints,
-    transferred,
 )
 from shmcache.remote.health import Health
 from shmcache.remote.staging import LateCall, Staging
@@ -151,27 +152,37 @@ class RemoteStore:
         """`client.method(*args)` (a return code, or a list of them), waiting at most `timeout_s`.
         An outage begins when the master is gone (None) or does not answer in time (`TIMED_OUT`:
         the call goes on in its thread and may still write into the memory it was given; its
-        future is handed to `stuck`)."""
+        future is handed to `stuck`, as it is when the wait is interrupted: `close` waits for it)."""
         client = self._client
         if client is None:
             return None
+        future: Future[Any] | None = None
         try:
             future = self._calls.submit(getattr(client, method), *args)
             result = future.result(self._timeout)
         except FutureTimeout:
-            self._stuck.append(future)
-            if stuck is not None:
-                stuck(future)
+            assert future is not None
+            self._outlived(future, stuck)
             self.health.down(f"no answer from Mooncake master {self.master} in {self._timeout} s")
             return TIMED_OUT
         except RuntimeError:  # the executor is shut down: closing
             return None
+        except BaseException:  # a KeyboardInterrupt while it waits: the call goes on
+            if future is not None and not future.done():
+                self._outlived(future, stuck)
+            raise
         codes = result if isinstance(result, list) else [result]
         gone = next((rc for rc in codes if rc in MASTER_GONE), None)
         if gone is not None:
             self.health.down(f"Mooncake master {self.master} stopped answering (rc {gone})")
             return None
         return result
+
+    def _outlived(self, call: Future[Any], stuck: Callable[[Future[Any]], None] | None) -> None:
+        """`call` runs on after we stopped waiting: `close` waits for it, and `stuck` is told."""
+        self._stuck.append(call)
+        if stuck is not None:
+            stuck(call)
 
     def register(self, address: int, nbytes: int) -> None:
         """Register node memory for zero-copy transfers (once per range; a thin client cannot)."""
@@ -212,7 +223,7 @@ class RemoteStore:
             staging.set_aside(None)
             raise
         if fetched.outcome is Transfer.TAINTED:
-            staging.set_aside(LateCall(late[0], transferred) if late else None)
+            staging.set_aside(LateCall(late[0], nothing_in_flight) if late else None)
         return buffer[: fetched.nbytes] if fetched.outcome is Transfer.DONE else None
 
     def pulls_in_place(self, address: int, nbytes: int) -> bool:
@@ -228,15 +239,10 @@ class RemoteStore:
         """`get_into` of the stored bytes of `name` at `address` (registered memory, `room` bytes:
         the object's size or more); a call that outlived its wait is handed to `stuck` (TAINTED)."""
         rc = self._call("get_into", name, address, room, stuck=stuck)
-        if transferred(rc):
-            return Fetched(Transfer.DONE, rc)
-        if rc == BUFFER_TOO_SMALL:
-            return Fetched(Transfer.LARGER)
-        if not taints(rc):
-            return Fetched(Transfer.UNTOUCHED)
-        if rc is not TIMED_OUT:
+        fetched = get_into_outcome(rc, room)
+        if fetched.outcome is Transfer.TAINTED and rc is not TIMED_OUT:
             self._count(Counter.REMOTE_ERRORS, 1)
-        return Fetched(Transfer.TAINTED)
+        return fetched
 
     def put_bytes(self, name: str, data: bytes) -> bool:
         """`put` (first writer wins); False when the store does not answer."""
