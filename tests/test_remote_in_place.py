@@ -13,6 +13,7 @@ import signal
 import time
 import tracemalloc
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,7 +23,7 @@ from shmcache.remote.store import RemoteStore, remote_key
 from shmcache.testing import MooncakeMaster
 from tests.helpers import kill, spawn, wait_for
 from tests.test_remote import remote_config
-from tests.workers import expected_value, fingerprint, key_of
+from tests.workers import expected_value, fingerprint, key_of, pull_until_interrupted_then_stay
 
 SIZE = 1 << 21  # bf16 elements: 4 MiB
 
@@ -176,6 +177,47 @@ def test_a_guessed_pull_on_a_hung_master_gets_its_memory_back_when_the_late_call
             finally:
                 shmcache_mooncake.kill()  # a stopped process dies too: its connections reset
             wait_for(lambda: b.stats()["stale"] == 0, timeout=60, what="the late call's answer")
+
+
+def test_an_interrupted_pull_gets_its_memory_back_when_the_late_call_ends(
+    shmcache_mooncake: MooncakeMaster, shmcache_namespace: str, other_namespace: str, tmp_path: Path
+) -> None:
+    """A process's guessed pull waits on a hung master and is interrupted (SIGINT): the extent is
+    set aside, and the call it stopped waiting for is still watched, so when the master dies and
+    the call answers (no transfer ran) the memory comes back while the process lives on."""
+    node_a = remote_config(shmcache_namespace, shmcache_mooncake.address)
+    node_b = dataclasses.replace(node_a, namespace=other_namespace, remote_timeout_s=60.0)
+    names = ("one", "two", "three")
+    go, out = tmp_path / "go", tmp_path / "out"
+    with EmbeddingCache(node_a) as a:
+        for name in names:
+            a.put(key_of(name), expected_value(name, SIZE))
+        wait_for(lambda: a.stats()["remote_publishes"] == len(names), what="the publishes")
+        steady = list(names[:2])
+        puller = spawn(pull_until_interrupted_then_stay, node_b, steady, "three", SIZE, str(go), str(out))
+        try:
+            wait_for(Path(f"{go}.ready").exists, timeout=60, what="node B's pulls of a steady size")
+            with EmbeddingCache(dataclasses.replace(node_b, remote_master=None)) as b:
+                os.kill(shmcache_mooncake.process.pid, signal.SIGSTOP)
+                try:
+                    go.touch()
+                    wait_for(lambda: b.stats()["reserved"] == 1, what="the puller's reservation")
+                    time.sleep(0.5)  # its get_into waits on the hung master
+                    assert puller.pid is not None
+                    os.kill(puller.pid, signal.SIGINT)
+                    wait_for(out.exists, what="the puller's interruption")
+                    assert out.read_text() == "interrupted"
+                    assert b.stats()["stale"] == 1  # set aside: the call may still write there
+                finally:
+                    shmcache_mooncake.kill()  # the late call answers an RPC failure
+                wait_for(lambda: b.stats()["stale"] == 0, timeout=60, what="the late call's answer")
+                assert puller.is_alive()  # not the detach: the late call gave the memory back
+        finally:
+            Path(f"{go}.stop").touch()
+            puller.join(60)
+            if puller.is_alive():
+                kill(puller)
+    assert puller.exitcode == 0
 
 
 def test_a_transfer_that_hangs_sets_its_memory_aside_until_it_ends(

@@ -301,6 +301,31 @@ def get_or_compute_until_interrupted(config: CacheConfig, name: str, go: str, ou
         os.rename(out + ".tmp", out)
 
 
+def pull_until_interrupted_then_stay(
+    config: CacheConfig, steady: list[str], name: str, numel: int, go: str, out: str
+) -> None:
+    """Node B: pull `steady` (values of `numel` elements, published elsewhere: their size becomes
+    the kind's guess), then at the file `go` get_or_compute `name`; a KeyboardInterrupt in the
+    middle is reported in `out`; then stay attached until the file `go + ".stop"`."""
+    with EmbeddingCache(config) as cache:
+        for pulled in steady:
+            value = cache.get_or_compute(key_of(pulled), lambda p=pulled: expected_value(p, numel))
+            del value
+        assert cache.stats()["hits_remote"] == len(steady), cache.stats()
+        Path(go + ".ready").touch()
+        while not Path(go).exists():
+            time.sleep(0.01)
+        try:
+            cache.get_or_compute(key_of(name), lambda: expected_value(name, numel))
+            how = "returned"
+        except KeyboardInterrupt:
+            how = "interrupted"
+        Path(out + ".tmp").write_text(how)
+        os.rename(out + ".tmp", out)
+        while not Path(go + ".stop").exists():
+            time.sleep(0.01)
+
+
 def map_past_idle_mappings(path: str) -> None:
     """(test_native) 60 dead 4 MiB views' mappings kept idle, then an address-space limit that
     leaves 100 MiB: a 200 MiB view is made once the idle mappings are unmapped for it."""
