@@ -147,7 +147,7 @@ class RemoteBridge:
             if not isinstance(pulled, NotInPlace):
                 return pulled
             if pulled is NotInPlace.NO_ROOM:
-                in_place = False  # as little room for the object, if it is not smaller
+                in_place = False  # no room for the guess: in place only for a smaller object
         size = store.size_of(name)
         if size is None:
             return None
