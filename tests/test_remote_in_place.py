@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from shmcache import CacheConfig, EmbeddingCache
+from shmcache.node.slots import SlotState
 from shmcache.remote.store import RemoteStore, remote_key
 from shmcache.testing import MooncakeMaster
 from tests.helpers import kill, spawn, wait_for
@@ -201,8 +202,12 @@ def test_an_interrupted_pull_gets_its_memory_back_when_the_late_call_ends(
                 os.kill(shmcache_mooncake.process.pid, signal.SIGSTOP)
                 try:
                     go.touch()
-                    wait_for(lambda: b.stats()["reserved"] == 1, what="the puller's reservation")
-                    time.sleep(0.5)  # its get_into waits on the hung master
+                    slots = b._node.slots.array  # read only: the puller's reservation gets its extent
+                    wait_for(
+                        lambda: bool(((slots["state"] == SlotState.RESERVED) & (slots["size"] > 0)).any()),
+                        what="the puller's extent",
+                    )
+                    time.sleep(0.5)  # its get_into, called right after, waits on the hung master
                     assert puller.pid is not None
                     os.kill(puller.pid, signal.SIGINT)
                     wait_for(out.exists, what="the puller's interruption")

@@ -13,11 +13,12 @@ what the compute that follows needs: the kind's sizes are steady).
 
 A transfer that failed or timed out may still write into its extent after the call returned, so
 the reservation is *set aside* (slots.py): the memory stays out of the allocator's hands until the
-late call completes the whole transfer, or else until this process detaches or dies; the caller
-looks the key up again. A thin client of the node's holder can only transfer through the holder's
-pool: its pulls land in a pool buffer and are copied after verification. Many misses of one
-request are pulled in one `batch_get_into` (`pull_many`, through the pull buffer). A publish pins
-the entry until the store has read it, and never blocks (store.py's bounded queue).
+late call answers that nothing writes there any more (the object arrived, or no transfer ran), or
+else until this process detaches or dies; the caller looks the key up again. A thin client of the
+node's holder can only transfer through the holder's pool: its pulls land in a pool buffer and
+are copied after verification. Many misses of one request are pulled in one `batch_get_into`
+(`pull_many`, through the pull buffer). A publish pins the entry until the store has read it,
+and never blocks (store.py's bounded queue).
 """
 
 from __future__ import annotations
@@ -207,8 +208,8 @@ class RemoteBridge:
     def _set_aside(self, reservation: Reservation, call: Future[Any] | None) -> None:
         """A transfer into the reservation's extent failed or was not waited for: set the
         reservation aside (kept reserved till close if that cannot be done). If the call that
-        outlived its wait later completes the whole transfer, nothing writes there any more and
-        the memory is freed then; otherwise at detach."""
+        outlived its wait later answers that nothing writes there any more, the memory is freed
+        then; otherwise at detach."""
         node, slot, gen = self._node, reservation.slot, reservation.gen
         self._tainted = True
         node.count(Counter.REMOTE_SET_ASIDE)

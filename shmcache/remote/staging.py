@@ -9,9 +9,9 @@
   than a half do not cross nodes in this mode (counted as drops / misses).
 
 A failed or timed-out transfer may still write into its buffer after the call returned: that
-buffer is set aside (kept alive, never handed out) until the call that outlived its wait returns
-having transferred the whole object; then nothing writes there any more and the next pull takes
-it back (a thin client has one pull half: until then it pulls nothing, counted as remote errors).
+buffer is set aside (kept alive, never handed out) until the call that outlived its wait answers
+that nothing writes there any more (the whole object arrived, or no transfer ran); then the next
+pull takes it back (a thin client has one pull half: until then it pulls nothing, counted as remote errors).
 A transfer that failed outright may leave slices in flight: its buffer stays set aside.
 """
 
@@ -31,14 +31,15 @@ __all__ = ["LateCall", "Staging"]
 
 @dataclass(frozen=True)
 class LateCall:
-    """A transfer call that outlived its wait, and which of its answers means "every byte arrived"."""
+    """A transfer call that outlived its wait, and which of its answers mean "nothing writes into
+    its memory any more"."""
 
     future: Future[Any]
     clean: Callable[[Any], bool]
 
     def ended(self) -> bool:
-        """It returned with every byte transferred: nothing writes into its memory any more (a
-        failed one may leave slices in flight)."""
+        """It returned, and its answer is clean: nothing writes into its memory any more (a failed
+        transfer may leave slices in flight)."""
         done = self.future
         return done.done() and not done.cancelled() and done.exception() is None and self.clean(done.result())
 
