@@ -29,6 +29,7 @@ import mmap
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 import numpy as np
@@ -77,6 +78,15 @@ class NotInPlace(enum.Enum):
     LARGER = "the object is larger than the extent"  # after a guess: ask the store for the size
 
 
+@dataclass(frozen=True, eq=False)
+class _Unread:
+    """A transfer into a reservation's extent whose answer was not read yet: the extent may be
+    written; `calls` gets the call if it outlives its wait."""
+
+    reservation: Reservation
+    calls: list[Future[Any]] = field(default_factory=list)
+
+
 class RemoteBridge:
     """One process's link from its node index to the remote store."""
 
@@ -103,6 +113,7 @@ class RemoteBridge:
         self._sizes = SizeGuesses()
         self._tainted = False  # a transfer into the arena failed: its memory is set aside
         self._kept: list[Reservation] = []  # tainted, and no pin to set it aside: kept till close
+        self._unread: list[_Unread] = []  # transfers into the arena whose answer is not read yet
         self._closing, self._closed = threading.Lock(), False
 
     @classmethod
@@ -174,15 +185,17 @@ class RemoteBridge:
             offset = node.allocate(slot, gen, room)
         except CapacityError:
             return NotInPlace.NO_ROOM
-        stuck: list[Future[Any]] = []
+        transfer = _Unread(reservation)
+        self._unread.append(transfer)  # from here an exception sets the reservation aside
         try:
-            fetched = self.store.fetch_into(name, self._arena_address + offset, room, stuck.append)
-        except BaseException:  # interrupted while the transfer may go on (the call is in `stuck`)
-            self._set_aside(reservation, stuck[0] if stuck else None)
+            fetched = self.store.fetch_into(name, self._arena_address + offset, room, transfer.calls.append)
+        except BaseException:  # interrupted while the transfer may go on (the call is in `calls`)
+            self._set_aside(transfer)
             raise
         if fetched.outcome is Transfer.TAINTED:
-            self._set_aside(reservation, stuck[0] if stuck else None)
+            self._set_aside(transfer)
             return LOOK_AGAIN
+        self._unread.remove(transfer)  # nothing writes there any more: the extent is ours again
         size = fetched.nbytes  # 0 unless DONE
         if size < room:
             node.shrink(slot, gen, size)  # all of it back when nothing arrived
@@ -205,12 +218,14 @@ class RemoteBridge:
         value = self._views.deliver(key, needle_of(key), sealed, request_id)
         return LOOK_AGAIN if value is None else value
 
-    def _set_aside(self, reservation: Reservation, call: Future[Any] | None) -> None:
+    def _set_aside(self, transfer: _Unread) -> None:
         """A transfer into the reservation's extent failed or was not waited for: set the
         reservation aside (kept reserved till close if that cannot be done). If the call that
         outlived its wait later answers that nothing writes there any more, the memory is freed
-        then; otherwise at detach."""
-        node, slot, gen = self._node, reservation.slot, reservation.gen
+        then; otherwise at detach. The transfer leaves `_unread` last, so an interrupt in here
+        leaves it for `interrupted` to finish (running this again is harmless)."""
+        node, reservation = self._node, transfer.reservation
+        slot, gen, call = reservation.slot, reservation.gen, next(iter(transfer.calls), None)
         self._tainted = True
         node.count(Counter.REMOTE_SET_ASIDE)
         try:
@@ -221,6 +236,7 @@ class RemoteBridge:
             self._kept.append(reservation)  # stays reserved (ours) until close
         elif call is not None:
             call.add_done_callback(lambda done: self._transfer_ended(done, slot, gen))
+        self._unread.remove(transfer)
 
     def _transfer_ended(self, call: Future[Any], slot: int, gen: int) -> None:
         """A set-aside extent's late call returned: free it if nothing writes there any more (the
@@ -231,9 +247,14 @@ class RemoteBridge:
                 return
             self._node.release([(slot, gen)])
 
-    def keeps(self, reservation: Reservation) -> bool:
-        """Whether a failed transfer's memory keeps `reservation` reserved until close: it must not
-        be abandoned (its extent would be handed out while the transfer may still write)."""
+    def interrupted(self, reservation: Reservation) -> bool:
+        """A pull under `reservation` raised: True if the caller must not give the reservation
+        back (its extent may still be written), else False. A transfer whose answer was never read
+        (an interrupt between the call and the reading of its answer) is set aside first, as a
+        failed one is."""
+        unread = next((t for t in list(self._unread) if t.reservation is reservation), None)
+        if unread is not None:
+            self._set_aside(unread)
         return any(kept is reservation for kept in self._kept)
 
     def pull_or_lease(self, reservation: Reservation) -> Pulled:
