@@ -6,14 +6,17 @@ import contextlib
 import multiprocessing as mp
 import os
 import signal
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
+from types import CodeType, FrameType
 from typing import Any
 
 from shmcache.node.slots import SlotState
 from shmcache.testing import kernel_objects
 
 __all__ = [
+    "InterruptAtLine",
     "arena_page",
     "inspect_show",
     "file_offset",
@@ -99,3 +102,33 @@ def inspect_show(namespace: str) -> dict[str, Any]:
     )
     snapshot: dict[str, Any] = json.loads(shown.stdout)
     return snapshot
+
+
+class InterruptAtLine:
+    """Raises KeyboardInterrupt where a SIGINT landing between two lines would: at the `at`-th line
+    run, counted over the frames of the functions in `after` (each from the line after its local
+    of that name was bound; None: from its first line). Use as `with interrupter.tracing(): ...`;
+    `fired` tells whether it raised (False: the code ran fewer lines than `at`)."""
+
+    def __init__(self, at: int, after: Mapping[CodeType, str | None]) -> None:
+        self.at, self.after, self.seen, self.fired = at, after, 0, False
+
+    @contextlib.contextmanager
+    def tracing(self) -> Iterator[None]:
+        sys.settrace(self._call)
+        try:
+            yield
+        finally:
+            sys.settrace(None)
+
+    def _call(self, frame: FrameType, event: str, arg: object) -> Any:
+        return self._line if frame.f_code in self.after else None
+
+    def _line(self, frame: FrameType, event: str, arg: object) -> Any:
+        bound = self.after[frame.f_code]
+        if event == "line" and not self.fired and (bound is None or bound in frame.f_locals):
+            if self.seen == self.at:
+                self.fired = True
+                raise KeyboardInterrupt
+            self.seen += 1
+        return self._line

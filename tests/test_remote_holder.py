@@ -4,7 +4,11 @@ published is still pulled by another node long after the worker was SIGKILLed.""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import itertools
+import os
+import signal
 import time
 import uuid
 from collections.abc import Iterator
@@ -12,14 +16,14 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from shmcache import CacheConfig, EmbeddingCache, destroy_namespace
 from shmcache.errors import InvalidConfig
-from shmcache.remote.staging import LateCall
 from shmcache.remote.store import RemoteStore
 from shmcache.testing import MooncakeHolder, MooncakeMaster
-from tests.helpers import kill, spawn, wait_for
+from tests.helpers import InterruptAtLine, kill, spawn, wait_for
 from tests.test_remote import remote_config
 from tests.workers import expected_value, fingerprint, key_of
 
@@ -116,14 +120,75 @@ def test_a_bad_client_ttl_is_refused_before_anything_starts(ttl: object) -> None
         MooncakeMaster(client_ttl_s=ttl)  # type: ignore[arg-type]
 
 
+def test_a_pull_buffer_given_back_after_a_clean_answer_is_handed_out_again(
+    shmcache_mooncake: MooncakeMaster, holder: MooncakeHolder
+) -> None:
+    config = CacheConfig(
+        remote_master=shmcache_mooncake.address, remote_holder=holder.address, remote_buffer_bytes=2 << 20
+    )
+    store = RemoteStore(config, lambda counter, n: None)
+    try:
+        staging = store.staging
+        assert staging is not None
+        buffer = staging.pull_buffer(4096)
+        assert buffer is not None
+        loan = staging.lend(buffer, lambda rc: rc == 4096)
+        assert staging.pull_buffer(4096) is None  # lent
+        staging.give_back(loan)
+        again = staging.pull_buffer(4096)
+        assert again is not None and again.ctypes.data == buffer.ctypes.data
+    finally:
+        store.close()
+
+
+def test_an_interrupt_anywhere_after_a_timed_out_fetch_keeps_its_buffer_lent(
+    shmcache_mooncake: MooncakeMaster, holder: MooncakeHolder
+) -> None:
+    """A thin client's fetch on a hung master outlives its wait (the transfer may still write its
+    pull buffer); an interrupt at each line after its answer came back in turn. Each time the
+    buffer is still lent (no pull may use it) until the late call answers; handing it out there
+    (the code before: set aside only after the answer was read) would share memory a transfer
+    may still write."""
+    config = CacheConfig(
+        remote_master=shmcache_mooncake.address,
+        remote_holder=holder.address,
+        remote_buffer_bytes=2 << 20,
+        remote_timeout_s=0.5,
+        store_unavailable_mode="strict",
+    )
+    store = RemoteStore(config, lambda counter, n: None)
+    master = shmcache_mooncake.process.pid
+    try:
+        staging = store.staging
+        assert staging is not None
+        for at in itertools.count():
+            interrupter = InterruptAtLine(at, {RemoteStore.fetch.__code__: "fetched"})
+            os.kill(master, signal.SIGSTOP)
+            try:
+                fetched = np.empty(0)
+                with interrupter.tracing(), contextlib.suppress(KeyboardInterrupt):
+                    fetched = store.fetch(f"absent-{uuid.uuid4().hex}", 4096)
+                if not interrupter.fired:  # past the answer's reading: a miss
+                    assert fetched is None and at >= 1, at
+                    break
+                assert staging.pull_buffer(4096) is None, f"interrupted at line {at}: the buffer was lent out"
+            finally:
+                os.kill(master, signal.SIGCONT)
+            wait_for(lambda: store.available, timeout=30, what="the master to be seen again")
+            wait_for(lambda: staging.pull_buffer(4096) is not None, timeout=60, what="the late call's answer")
+    finally:
+        store.close()
+
+
 @pytest.mark.parametrize(
     "answer", [4096, 100, TRANSFER_FAILED, None], ids=["all-bytes", "short", "failed", "failed-outright"]
 )
 def test_a_pull_buffer_set_aside_comes_back_only_after_its_late_call_moved_every_byte(
     shmcache_mooncake: MooncakeMaster, holder: MooncakeHolder, answer: int | None
 ) -> None:
-    """A thin client's one pull buffer (half the holder's pool), set aside after a transfer that
-    timed out: handed out again once that call returned every byte, never otherwise."""
+    """A thin client's one pull buffer (half the holder's pool), lent to a transfer call that
+    then outlived its wait: handed out again once that call returned every byte, never
+    otherwise."""
     config = CacheConfig(
         remote_master=shmcache_mooncake.address,
         remote_holder=holder.address,
@@ -137,7 +202,9 @@ def test_a_pull_buffer_set_aside_comes_back_only_after_its_late_call_moved_every
         buffer = staging.pull_buffer(4096)
         assert buffer is not None
         late: Future[Any] = Future()
-        staging.set_aside(None if answer is None else LateCall(late, lambda rc: rc == 4096))
+        loan = staging.lend(buffer, lambda rc: rc == 4096)
+        if answer is not None:  # else it answered a failure itself: slices may be in flight
+            loan.calls.append(late)
         assert staging.pull_buffer(4096) is None  # the call is still running: it may write there
         if answer == TRANSFER_FAILED:
             late.set_exception(RuntimeError("transfer failed"))

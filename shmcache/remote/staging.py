@@ -8,11 +8,14 @@
   `remote_buffer_bytes` for pulls, half for publishes (one publish at a time). Values larger
   than a half do not cross nodes in this mode (counted as drops / misses).
 
-A failed or timed-out transfer may still write into its buffer after the call returned: that
-buffer is set aside (kept alive, never handed out) until the call that outlived its wait answers
-that nothing writes there any more (the whole object arrived, or no transfer ran); then the next
-pull takes it back (a thin client has one pull half: until then it pulls nothing, counted as remote errors).
-A transfer that failed outright may leave slices in flight: its buffer stays set aside.
+A failed or timed-out transfer may still write into its buffer after the call returned, so the
+buffer is *lent* to each transfer call before the call starts (`lend`: set aside, kept alive, never
+handed out) and given back only when its answer was read and says nothing writes there any more
+(`give_back`). An interrupt anywhere in between leaves it lent. A lent buffer whose call outlived
+its wait comes back when that call answers that nothing writes there any more (the whole object
+arrived, or no transfer ran): the next pull takes it back (a thin client has one pull half: until
+then it pulls nothing, counted as remote errors). A transfer that failed outright may leave slices
+in flight: its buffer stays lent.
 """
 
 from __future__ import annotations
@@ -21,12 +24,12 @@ import ctypes
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-__all__ = ["LateCall", "Staging"]
+__all__ = ["LateCall", "Loan", "Staging"]
 
 
 @dataclass(frozen=True)
@@ -45,11 +48,17 @@ class LateCall:
 
 
 @dataclass(frozen=True, eq=False)
-class _SetAside:
-    """A pull buffer a failed transfer may still write into, and the call that may."""
+class Loan:
+    """The pull buffer lent to one transfer call, and what that call's answers must be for it to
+    come back by itself once the call outlived its wait (`calls` gets that call)."""
 
     buffer: np.ndarray
-    late: LateCall | None  # None: the transfer failed outright (slices may be in flight)
+    clean: Callable[[Any], bool]
+    calls: list[Future[Any]] = field(default_factory=list)
+
+    def ended(self) -> bool:
+        """The call outlived its wait and has since answered clean."""
+        return bool(self.calls) and LateCall(self.calls[0], self.clean).ended()
 
 
 class Staging:
@@ -60,7 +69,7 @@ class Staging:
         self._pull_room = True  # pooled: may the pull half still be allocated
         self._pull: np.ndarray | None = None
         self._publish: np.ndarray | None = None
-        self._set_aside: list[_SetAside] = []
+        self._lent: list[Loan] = []  # pull buffers a transfer call may still write into
         self.publish_lock = threading.Lock()
 
     def _pool_array(self, nbytes: int) -> np.ndarray | None:
@@ -91,21 +100,28 @@ class Staging:
         self._pull = buffer
         return buffer
 
-    def set_aside(self, late: LateCall | None) -> None:
-        """The pull buffer saw a failed transfer: set it aside until `late`, the call that outlived
-        its wait, has transferred everything (never, without one)."""
+    def lend(self, buffer: np.ndarray, clean: Callable[[Any], bool]) -> Loan:
+        """Set the pull buffer `buffer` aside for one transfer call, before the call starts: it
+        is not handed out again until `give_back`, or until the call, once it outlived its wait
+        (`Loan.calls`), answers `clean`."""
         if not self.pooled:  # a new array replaces it: those nothing writes into any more can go
-            self._set_aside = [held for held in self._set_aside if held.late is None or not held.late.ended()]
-        if self._pull is not None:
-            self._set_aside.append(_SetAside(self._pull, late))
-            self._pull = None  # pooled: the pool has no second pull half; no pulls until it ends
+            self._lent = [loan for loan in self._lent if not loan.ended()]
+        loan = Loan(buffer, clean)
+        self._lent.append(loan)  # first: an interrupt between the two lines leaks, never shares
+        self._pull = None
+        return loan
+
+    def give_back(self, loan: Loan) -> None:
+        """The call's answer was read, and nothing writes into the buffer any more."""
+        self._pull = loan.buffer
+        self._lent.remove(loan)
 
     def _taken_back(self) -> np.ndarray | None:
-        """A set-aside buffer nothing writes into any more, handed out again; None if none."""
-        for i, held in enumerate(self._set_aside):
-            if held.late is not None and held.late.ended():
-                del self._set_aside[i]
-                return held.buffer
+        """A lent buffer nothing writes into any more, handed out again; None if none."""
+        for i, loan in enumerate(self._lent):
+            if loan.ended():
+                del self._lent[i]
+                return loan.buffer
         return None
 
     def publish_buffer(self, size: int) -> np.ndarray | None:

@@ -52,7 +52,7 @@ from shmcache.remote.answers import (
     taints,
 )
 from shmcache.remote.health import Health
-from shmcache.remote.staging import LateCall, Staging
+from shmcache.remote.staging import Staging
 
 __all__ = ["RemoteStore", "free_port", "remote_key"]
 
@@ -216,14 +216,10 @@ class RemoteStore:
         if buffer is None:
             self._count(Counter.REMOTE_ERRORS, 1)
             return None
-        late: list[Future[Any]] = []
-        try:
-            fetched = self.fetch_into(name, int(buffer.ctypes.data), size, late.append)
-        except BaseException:  # interrupted while the transfer may go on
-            staging.set_aside(None)
-            raise
-        if fetched.outcome is Transfer.TAINTED:
-            staging.set_aside(LateCall(late[0], nothing_in_flight) if late else None)
+        loan = staging.lend(buffer, nothing_in_flight)
+        fetched = self.fetch_into(name, int(buffer.ctypes.data), size, loan.calls.append)
+        if fetched.outcome is not Transfer.TAINTED:
+            staging.give_back(loan)
         return buffer[: fetched.nbytes] if fetched.outcome is Transfer.DONE else None
 
     def pulls_in_place(self, address: int, nbytes: int) -> bool:
@@ -275,17 +271,13 @@ class RemoteStore:
         if buffer is None:
             return found, list(range(len(names))) if self.available else []
         base = int(buffer.ctypes.data)
-        late: list[Future[Any]] = []
         addresses = [base + i * cap for i in range(len(names))]
         assert staging is not None
-        try:
-            rcs = self._call("batch_get_into", names, addresses, [cap] * len(names), stuck=late.append)
-        except BaseException:  # interrupted while the transfers may go on
-            staging.set_aside(None)
-            raise
+        loan = staging.lend(buffer, batch_clean)
+        rcs = self._call("batch_get_into", names, addresses, [cap] * len(names), stuck=loan.calls.append)
         if not isinstance(rcs, list):
-            if rcs is TIMED_OUT:  # the transfers may still write there
-                staging.set_aside(LateCall(late[0], batch_clean) if late else None)
+            if rcs is not TIMED_OUT:  # no transfer ran (closing, or the master gone)
+                staging.give_back(loan)
             return found, []
         larger = []
         for i, rc in enumerate(rcs):
@@ -295,8 +287,8 @@ class RemoteStore:
                 larger.append(i)
             elif taints(rc):
                 self._count(Counter.REMOTE_ERRORS, 1)
-        if not batch_clean(rcs):
-            staging.set_aside(None)  # a failed transfer may still write into its part of the buffer
+        if batch_clean(rcs):
+            staging.give_back(loan)  # else a failed transfer may still write into its part of it
         return found, larger
 
     def publish(self, name: str, address: int, nbytes: int, done: Callable[[bool], None]) -> bool:
