@@ -16,7 +16,6 @@ __all__ = [
     "CorruptValue",
     "CudaError",
     "ForeignObject",
-    "InvalidArgument",
     "InvalidConfig",
     "InvalidKey",
     "KeyTypeError",
@@ -121,10 +120,6 @@ class RemoteUnavailable(ShmCacheError, ConnectionError):
 
 class ArgumentTypeError(ShmCacheError, TypeError):
     """An argument of a public call has a type the call does not take."""
-
-
-class InvalidArgument(ShmCacheError, ValueError):
-    """An argument of a public call has a value the call does not take (a negative dimension, say)."""
 
 
 class RequestIdTypeError(ArgumentTypeError):

@@ -6,7 +6,6 @@ import contextlib
 import gc
 import os
 import resource
-import signal
 import threading
 import time
 from pathlib import Path
@@ -340,25 +339,3 @@ def map_past_idle_mappings(path: str) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (used + (100 << 20), resource.RLIM_INFINITY))
     large = mapper.view(0, 200 << 20)
     assert large.nbytes == 200 << 20 and mapper.idle() == 0
-
-
-def write_in_place(config: CacheConfig, name: str, numel: int, started: str, go: str, then: str) -> None:
-    """Reserve `name`, write half its value into the tensor of `Reservation.create`, say so, wait
-    for the file `go`, then: "seal" (the rest written first; then scribble over the tensor and
-    say so in `go`.done, staying attached till `go`.stop) or "die" (SIGKILL ourselves mid-write)."""
-    with EmbeddingCache(config) as cache:
-        value = expected_value(name, numel)
-        with cache.reserve(key_of(name)) as res:
-            out = res.create(value.shape, value.dtype)
-            out[: numel // 2] = value[: numel // 2]
-            Path(started).touch()
-            while not Path(go).exists():
-                time.sleep(0.01)
-            if then == "die":
-                os.kill(os.getpid(), signal.SIGKILL)
-            out[numel // 2 :] = value[numel // 2 :]
-            res.seal()
-        out.fill_(0)  # after the seal: this process's copy only
-        Path(go + ".done").touch()
-        while not Path(go + ".stop").exists():
-            time.sleep(0.01)

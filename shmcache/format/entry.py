@@ -17,7 +17,7 @@ from shmcache.errors import CorruptValue
 from shmcache.format.values import EncodedValue
 from shmcache.keys.key import HASH_ALGORITHMS, EmbeddingCacheKey
 
-__all__ = ["ENTRY_HEADER_SIZE", "entry_size", "verify", "write_entry", "write_header"]
+__all__ = ["ENTRY_HEADER_SIZE", "entry_size", "verify", "write_entry"]
 
 ENTRY_MAGIC: Final = b"SHME"
 ENTRY: Final = struct.Struct("<4sBBHQQQ32s")
@@ -34,16 +34,8 @@ def write_entry(
     buffer: memoryview, key: EmbeddingCacheKey, gen: int, encoded: EncodedValue, *, checksum: bool
 ) -> None:
     """Write the value first, then its header (one copy of the payload)."""
-    encoded.write_into(buffer[ENTRY_HEADER_SIZE : ENTRY_HEADER_SIZE + encoded.total_len])
-    write_header(buffer, key, gen, encoded.total_len, checksum=checksum)
-
-
-def write_header(
-    buffer: memoryview, key: EmbeddingCacheKey, gen: int, length: int, *, checksum: bool
-) -> None:
-    """Write the entry header of the `length` value bytes already in `buffer` after it (with their
-    checksum if `checksum`)."""
-    body = buffer[ENTRY_HEADER_SIZE : ENTRY_HEADER_SIZE + length]
+    body = buffer[ENTRY_HEADER_SIZE : ENTRY_HEADER_SIZE + encoded.total_len]
+    encoded.write_into(body)
     digest = xxhash.xxh3_64_intdigest(body) if checksum else 0
     ENTRY.pack_into(
         buffer,
@@ -52,7 +44,7 @@ def write_header(
         HASH_ALGORITHMS.index(key.algorithm),
         FLAG_CHECKSUM if checksum else 0,
         0,
-        length,
+        encoded.total_len,
         gen,
         digest,
         key.digest.ljust(32, b"\0"),

@@ -122,14 +122,9 @@ class EncodedValue:
 
     def write_into(self, buffer: memoryview) -> None:
         """Write the whole encoding into `buffer` (at least `total_len` writable bytes): one copy."""
-        self.write_head_into(buffer)
+        buffer[: len(self.head)] = self.head
         for offset, data in self.payloads:
             copy_into(buffer[offset : offset + data.nbytes], data)
-
-    def write_head_into(self, buffer: memoryview) -> None:
-        """Write the header, descriptors and metadata only: the payloads are left to the caller
-        (a compute writing its output in place, `Reservation.create`)."""
-        buffer[: len(self.head)] = self.head
 
     def to_bytes(self) -> bytes:
         """The encoding as one bytes object (copies; for tests and transport)."""

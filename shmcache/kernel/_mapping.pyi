@@ -12,9 +12,6 @@ class Mapping:
     the last Mapping over it dies."""
 
     def on_death(self, callback: Callable[[_T], object], arg: _T, /) -> None: ...
-    def freeze(self) -> None:
-        """A shared mapping (`Pool.map_shared`) becomes copy-on-write in place (read-only if that
-        fails); `OSError` if neither worked."""
 
 class Pool:
     """The copy-on-write views of one file (not owning its descriptor); reset mappings of dead
@@ -23,9 +20,6 @@ class Pool:
     def __init__(self, fd: int) -> None: ...
     def map(self, offset: int, size: int, /) -> Mapping: ...
     def map_many(self, offsets: list[int], sizes: list[int], /) -> list[Mapping]: ...
-    def map_shared(self, offset: int, size: int, /) -> Mapping:
-        """The bytes of the file itself, writable (MAP_SHARED, not inherited by fork) until the
-        mapping's `freeze()`."""
     def close(self) -> None: ...
     def idle(self) -> int: ...
 

@@ -12,9 +12,6 @@ that entry. When the returned array and every array derived from it die, the map
 mapping) and kept idle for the next view of the same pages, so a repeated get costs no `mmap`;
 the pool keeps at most 64 and 256 MiB of them (no pages) and unmaps them when it closes.
 
-The one writable window into the file itself is `shared`, for an output written in place before
-its seal (process/outputs.py); it is frozen (copy-on-write in place) before the reservation ends.
-
 A batch of views (`view_many`, for `get_many`) shares one mapping per run of nearby extents: the
 mapping is then unmapped when the last view of its run dies, and each view's death is reported
 on its own. That is still exact: each view exposes only its own entry's bytes (an entry asked for
@@ -76,12 +73,6 @@ class CowMapper:
         (one system call per run of them); each array reports its own death to `on_death`."""
         mappings = self._open().map_many([o for o, _ in extents], [n for _, n in extents])
         return [np.frombuffer(cast(bytes, mapping), dtype=np.uint8) for mapping in mappings]
-
-    def shared(self, offset: int, size: int) -> _mapping.Mapping:
-        """The `size` bytes at `offset` of the file itself, writable (a `MAP_SHARED` mapping that
-        a fork does not inherit), until the mapping's `freeze()` makes it copy-on-write in place:
-        where a compute writes its output before the seal (process/outputs.py)."""
-        return self._open().map_shared(offset, size)
 
     @staticmethod
     def on_death(view: np.ndarray[Any, np.dtype[np.uint8]], callback: Callable[[T], object], arg: T) -> None:

@@ -8,10 +8,6 @@
  * them before an mmap gives up for lack of room).
  * A batch of views (`map_many`) shares one mapping per run of nearby extents: each view is then a
  * window object holding that mapping, which is unmapped when the last of its windows dies.
- * A shared mapping (`map_shared`) is the one writable window into the file itself: what a
- * compute writes its output into before the seal. `freeze` remaps it copy-on-write in place
- * (MAP_FIXED over the same pages), so a tensor kept past the seal writes only into this
- * process's copy of them; it is not inherited by fork (MADV_DONTFORK).
  * `copy_into` is how a writer fills shared memory (see there).
  */
 #define PY_SSIZE_T_CLEAN
@@ -68,7 +64,6 @@ typedef struct {
     char *data; /* where the exported bytes begin */
     Py_ssize_t size;
     PyObject *on_death, *death_arg; /* on_death(death_arg) once its bytes are unreachable (NULL: none) */
-    int shared; /* an owner mapped MAP_SHARED by map_shared and not frozen yet: unmapped when it dies */
 } Mapping;
 
 static int Mapping_getbuffer(Mapping *m, Py_buffer *view, int flags) {
@@ -105,8 +100,7 @@ static void drain(Pool *pool) {
 }
 
 static void Mapping_dealloc(Mapping *m) {
-    if (m->address != NULL &&
-        (m->shared || m->pool == NULL || keep_idle(m->pool, m->address, m->length, m->from) < 0)) {
+    if (m->address != NULL && (m->pool == NULL || keep_idle(m->pool, m->address, m->length, m->from) < 0)) {
         munmap(m->address, m->length);
     }
     Py_CLEAR(m->pool);
@@ -140,32 +134,9 @@ static PyObject *Mapping_set_on_death(Mapping *m, PyObject *const *args, Py_ssiz
     Py_RETURN_NONE;
 }
 
-/* Remap a shared mapping copy-on-write over the same pages (MAP_FIXED replaces it atomically:
- * the address stays valid throughout). If that fails, make it read-only: a later write faults
- * instead of reaching the file. Raises only if neither worked (the mapping is still shared). */
-static PyObject *Mapping_freeze(Mapping *m, PyObject *unused) {
-    if (!m->shared) {
-        Py_RETURN_NONE;
-    }
-    int fd = m->pool != NULL ? m->pool->fd : -1;
-    if (fd >= 0 && mmap(m->address, m->length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED | MAP_NORESERVE,
-                        fd, m->from) != MAP_FAILED) {
-        m->shared = 0; /* now an ordinary copy-on-write owner: it may go back to the pool */
-        Py_RETURN_NONE;
-    }
-    if (mprotect(m->address, m->length, PROT_READ) == 0) {
-        m->shared = 0;
-        Py_CLEAR(m->pool); /* read-only: never handed out again, unmapped when it dies */
-        Py_RETURN_NONE;
-    }
-    return PyErr_SetFromErrno(PyExc_OSError);
-}
-
 static PyMethodDef Mapping_methods[] = {
     {"on_death", (PyCFunction)(void (*)(void))Mapping_set_on_death, METH_FASTCALL,
      "on_death(callback, arg): call callback(arg) once, right after these bytes became unreachable."},
-    {"freeze", (PyCFunction)Mapping_freeze, METH_NOARGS,
-     "freeze(): make a shared mapping copy-on-write in place (no write reaches the file any more)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -196,13 +167,12 @@ static Mapping *new_mapping(void *address, size_t length, PyObject *region, char
     m->data = data;
     m->size = size;
     m->on_death = m->death_arg = NULL;
-    m->shared = 0;
     return m;
 }
 
 /* An owner Mapping of the pages holding [start, end) of the pool's file, an idle one of exactly
  * those pages if the pool has it; given back to the pool when it dies if `keep`. */
-static Mapping *map_pages(Pool *pool, Py_ssize_t start, Py_ssize_t end, int keep, int shared) {
+static Mapping *map_pages(Pool *pool, Py_ssize_t start, Py_ssize_t end, int keep) {
     long page = sysconf(_SC_PAGESIZE);
     Py_ssize_t from = start - start % page;
     size_t length = (size_t)((end - from + page - 1) / page * page);
@@ -210,8 +180,7 @@ static Mapping *map_pages(Pool *pool, Py_ssize_t start, Py_ssize_t end, int keep
         length = (size_t)page;
     }
     void *address = MAP_FAILED;
-    int flags = shared ? MAP_SHARED : MAP_PRIVATE | MAP_NORESERVE;
-    for (int i = pool->n_idle - 1; keep && !shared && i >= 0; i--) { /* the newest first */
+    for (int i = pool->n_idle - 1; keep && i >= 0; i--) { /* the newest first */
         if (pool->idle[i].from == from && pool->idle[i].length == length) {
             address = pool->idle[i].address;
             pool->idle_bytes -= length;
@@ -221,11 +190,11 @@ static Mapping *map_pages(Pool *pool, Py_ssize_t start, Py_ssize_t end, int keep
         }
     }
     if (address == MAP_FAILED) {
-        address = mmap(NULL, length, PROT_READ | PROT_WRITE, flags, pool->fd, from);
+        address = mmap(NULL, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_NORESERVE, pool->fd, from);
     }
     if (address == MAP_FAILED && errno == ENOMEM && pool->n_idle > 0) { /* the idle ones go first */
         drain(pool);
-        address = mmap(NULL, length, PROT_READ | PROT_WRITE, flags, pool->fd, from);
+        address = mmap(NULL, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_NORESERVE, pool->fd, from);
     }
     if (address == MAP_FAILED) {
         if (errno == ENOMEM) { /* the process's mapping count (vm.max_map_count) or address space */
@@ -235,20 +204,14 @@ static Mapping *map_pages(Pool *pool, Py_ssize_t start, Py_ssize_t end, int keep
         }
         return NULL;
     }
-    if (shared && madvise(address, length, MADV_DONTFORK) != 0) { /* a child never writes here */
-        PyErr_SetFromErrno(PyExc_OSError);
-        munmap(address, length);
-        return NULL;
-    }
     Mapping *m = new_mapping(address, length, NULL, (char *)address + (start - from), end - start);
     if (m == NULL) {
         munmap(address, length);
         return NULL;
     }
     m->from = from;
-    m->shared = shared;
-    if (keep || shared) {
-        m->pool = (Pool *)Py_NewRef(pool); /* shared: freeze remaps through the pool's descriptor */
+    if (keep) {
+        m->pool = (Pool *)Py_NewRef(pool);
     }
     return m;
 }
@@ -299,19 +262,7 @@ static PyObject *Pool_map(Pool *pool, PyObject *const *args, Py_ssize_t nargs) {
     if (check_open(pool) < 0 || as_extent(args[0], args[1], &offset, &size) < 0) {
         return NULL;
     }
-    return (PyObject *)map_pages(pool, offset, offset + size, 1, 0);
-}
-
-static PyObject *Pool_map_shared(Pool *pool, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "map_shared(offset, size)");
-        return NULL;
-    }
-    Py_ssize_t offset, size;
-    if (check_open(pool) < 0 || as_extent(args[0], args[1], &offset, &size) < 0) {
-        return NULL;
-    }
-    return (PyObject *)map_pages(pool, offset, offset + size, 0, 1);
+    return (PyObject *)map_pages(pool, offset, offset + size, 1);
 }
 
 typedef struct {
@@ -335,7 +286,7 @@ static int map_runs(Pool *pool, extent_t *extents, Py_ssize_t n, PyObject *out) 
             end = e > end ? e : end;
             j++;
         }
-        Mapping *owner = map_pages(pool, extents[i].offset, end, 0, 0);
+        Mapping *owner = map_pages(pool, extents[i].offset, end, 0);
         if (owner == NULL) {
             return -1;
         }
@@ -420,9 +371,6 @@ static PyMethodDef Pool_methods[] = {
     {"map_many", (PyCFunction)(void (*)(void))Pool_map_many, METH_FASTCALL,
      "map_many(offsets, sizes): a Mapping per extent, in order; nearby extents share one "
      "copy-on-write mapping, unmapped when the last of them dies."},
-    {"map_shared", (PyCFunction)(void (*)(void))Pool_map_shared, METH_FASTCALL,
-     "map_shared(offset, size): a writable Mapping of those bytes of the file itself (MAP_SHARED, "
-     "not inherited by fork) until its freeze()."},
     {"close", (PyCFunction)Pool_close, METH_NOARGS,
      "close(): unmap the idle mappings and make no more (views made earlier stay valid)."},
     {"idle", (PyCFunction)Pool_idle, METH_NOARGS, "idle(): how many reset mappings wait for reuse."},

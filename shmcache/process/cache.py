@@ -94,7 +94,7 @@ class EmbeddingCache:
         self._requests = RequestRefs()
         self._releases = Releases(node, self._device, on_idle=self._detach)
         self._views = Views(node, segments, config, self._device, self._requests, self._releases)
-        self._claims = Claims(node, segments, config, self._views, self._device, self._requests)
+        self._claims = Claims(node, segments.arena, config, self._views, self._device, self._requests)
         self._bridge: RemoteBridge | None = None
         _open.add(self)
         if config.remote_master is not None:

@@ -8,30 +8,25 @@ node's `commit` transaction, which abandons the reservation on any failure.
 
 from __future__ import annotations
 
+import mmap
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
 from shmcache.config import CacheConfig
 from shmcache.errors import CapacityError, ComputeFailed, ComputeTimeout, InvalidKey, SemaphoreTimeout
 from shmcache.format import entry, values
 from shmcache.format.values import Value
 from shmcache.gpu.side import DeviceSide
-from shmcache.kernel.namespace import Segments
 from shmcache.keys.key import EmbeddingCacheKey
 from shmcache.node.index import NodeIndex
 from shmcache.node.layout import Counter, key_meta, needle_of
 from shmcache.node.reservations import ClaimKind
 from shmcache.node.slots import FailureKind, SealedEntry
-from shmcache.process import outputs
-from shmcache.process.outputs import Output
 from shmcache.process.requests import RequestRefs
 from shmcache.process.reservation import RequestId, Reservation, ReservationTicket
 from shmcache.process.views import Views
 from shmcache.remote.bridge import LOOK_AGAIN, RemoteBridge
-
-if TYPE_CHECKING:
-    import torch
 
 __all__ = ["Claims"]
 
@@ -44,14 +39,13 @@ class Claims:
     def __init__(
         self,
         node: NodeIndex,
-        segments: Segments,
+        arena: mmap.mmap,
         config: CacheConfig,
         views: Views,
         device: DeviceSide,
         requests: RequestRefs,
     ) -> None:
-        self._node, self._arena, self._config = node, segments.arena, config
-        self._arena_views = segments.arena_views
+        self._node, self._arena, self._config = node, arena, config
         self._views, self._device, self._requests = views, device, requests
         self.bridge: RemoteBridge | None = None  # set when a remote store is configured
 
@@ -233,53 +227,10 @@ class Claims:
                 self._settle_export(slot, gen)
             if self.bridge is not None and sealed is None:  # failed: another node takes over
                 self.bridge.end_lease(reservation, failed=True)
-        return self._stored(reservation, value, sealed, view=view)
-
-    def create(self, reservation: Reservation, shape: tuple[int, ...], dtype: torch.dtype) -> Output | None:
-        """The output of our `reservation`, to be written in place: a tensor over its extent, the
-        entry's headers written around it. None when it cannot be stored (no room: the
-        reservation is then abandoned as uncacheable, as a commit's would be)."""
-        node, slot, gen = self._node, reservation.slot, reservation.gen
-        encoded = outputs.plan(shape, dtype)
-        try:
-            offset = node.allocate(slot, gen, entry.entry_size(encoded))
-        except CapacityError as exc:
-            node.count(Counter.UNCACHEABLE)
-            self._end(reservation, FailureKind.UNCACHEABLE, str(exc))
-            return None
-        target = memoryview(self._arena)[offset : offset + entry.ENTRY_HEADER_SIZE + len(encoded.head)]
-        try:
-            encoded.write_head_into(target[entry.ENTRY_HEADER_SIZE :])
-        finally:
-            target.release()
-        return outputs.create(self._arena_views, offset, shape, dtype, encoded)
-
-    def seal(self, reservation: Reservation, output: Output) -> Value:
-        """Seal what the compute wrote into `output` (frozen first) as our reservation's value;
-        the cached view. Any failure abandons the reservation."""
-        node, slot, gen = self._node, reservation.slot, reservation.gen
-        output.freeze()
-        sealed = None
-        try:
-            target = memoryview(self._arena)[output.offset : output.offset + output.nbytes]
-            try:
-                length, checksum = output.encoded.total_len, self._config.debug_check_views
-                entry.write_header(target, reservation.key, gen, length, checksum=checksum)
-            finally:
-                target.release()
-            sealed = node.seal(slot, gen, self._views.pins_for(reservation.request_id), None)
-        except BaseException as exc:
-            self._end(reservation, FailureKind.FAILED, f"{type(exc).__name__}: {exc}")
-            raise
-        return self._stored(reservation, output.tensor, sealed, view=True)
-
-    def _stored(self, reservation: Reservation, value: Value, sealed: SealedEntry, *, view: bool) -> Value:
-        """After a seal: count it, publish it, and hand the value out (`_hand_out`)."""
-        node = self._node
         node.count(Counter.PUTS)
         node.count(Counter.BYTES_PUT, sealed.size)
         if self.bridge is not None:
-            self.bridge.publish(reservation.key, sealed)
+            self.bridge.publish(key, sealed)
         return self._hand_out(reservation, value, sealed, view=view)
 
     def _settle_export(self, slot: int, gen: int) -> None:

@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from shmcache.errors import ReservationLost
 from shmcache.format.values import Value
 from shmcache.keys.key import EmbeddingCacheKey
-from shmcache.process import outputs
 
 if TYPE_CHECKING:
-    import torch
-
-    from shmcache.process.outputs import Output
     from shmcache.remote.lease import Lease
 
 __all__ = ["RequestId", "Reservation", "ReservationHolder", "ReservationTicket"]
@@ -40,13 +36,6 @@ class ReservationHolder(Protocol):
     def commit(self, reservation: Reservation, value: Value, *, view: bool) -> Value:
         """Store `value` for the reservation; the cached view if `view`, else `value`."""
 
-    def create(self, reservation: Reservation, shape: tuple[int, ...], dtype: torch.dtype) -> Output | None:
-        """The output to write in place, over the reservation's extent; None if it cannot be
-        stored (the reservation then ended as uncacheable)."""
-
-    def seal(self, reservation: Reservation, output: Output) -> Value:
-        """Store what was written into `output`; the cached view."""
-
     def abandon(self, reservation: Reservation, reason: str) -> None:
         """Give the reservation up, telling its waiters `reason`."""
 
@@ -64,11 +53,9 @@ class Reservation:
     """The right to compute one key, or the value if it already existed.
 
     `value` is set on a hit. Otherwise the holder computes and calls `commit(value)` (which returns
-    the cached view) or `abandon()`; or it writes its output in place: `create(shape, dtype)`
-    gives a tensor in node memory to write it into, and `seal()` stores it with no copy. As a
-    context manager it abandons on an exception and on exit without a commit. A reservation that
-    could not be cached (value too large, no free slot) has `cached=False`: `commit` then returns
-    the value as given, and `create` a tensor of this process's own.
+    the cached view) or `abandon()`. As a context manager it abandons on an exception and on exit
+    without a commit. A reservation that could not be cached (value too large, no free slot)
+    has `cached=False`: `commit` then returns the value as given.
     """
 
     def __init__(
@@ -89,8 +76,6 @@ class Reservation:
         self.gen = gen
         self._open = value is None
         self._handed = False
-        self._output: torch.Tensor | None = None  # what `create` handed out
-        self._in_place: Output | None = None  # ... when it is over our extent (not frozen yet)
 
     @property
     def owned(self) -> bool:
@@ -107,7 +92,6 @@ class Reservation:
         uncached, or with `view=False`)."""
         if not self._open:
             raise ReservationLost(f"{self.key!r}: this reservation was already committed or abandoned")
-        self._let_output_go()
         self._open = False
         if self._holder is None or self.slot < 0:
             self.value = value
@@ -115,53 +99,10 @@ class Reservation:
         self.value = self._holder.commit(self, value, view=view)
         return self.value
 
-    def create(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        """A writable CPU tensor of `shape` and `dtype` for the compute to write its output into,
-        in node memory (uncached: this process's own); then `seal()` stores it with no copy.
-
-        From the end of the reservation on (seal, or any other end), a write through the tensor
-        changes only this process's copy of it, never the cached entry. `ArgumentTypeError` /
-        `InvalidArgument` for a bad shape or dtype, `UnsupportedValue` for a dtype the value
-        format does not hold; `ReservationLost` unless the reservation is open and has no output
-        yet.
-        """
-        if not self._open or self._output is not None:
-            raise ReservationLost(f"{self.key!r}: create needs an open reservation without an output")
-        dims, dtype = outputs.check_output(shape, dtype)
-        if self._holder is not None and self.slot >= 0:
-            self._in_place = self._holder.create(self, dims, dtype)
-            if self._in_place is None:  # no room: uncached from here on
-                self.slot = -1
-        in_place = self._in_place
-        self._output = in_place.tensor if in_place is not None else outputs.private_output(dims, dtype)
-        return self._output
-
-    def seal(self) -> Value:
-        """Store what the compute wrote into the tensor of `create`, wake every waiter, and return
-        the cached view (the tensor itself when uncached). `ReservationLost` unless the
-        reservation is open and has an output."""
-        if not self._open or self._output is None:
-            raise ReservationLost(f"{self.key!r}: seal needs an open reservation with an output (create)")
-        self._open = False
-        in_place, self._in_place = self._in_place, None
-        if in_place is None or self._holder is None:
-            self.value = self._output
-            return self.value
-        self.value = self._holder.seal(self, in_place)
-        return self.value
-
-    def _let_output_go(self) -> None:
-        """Before the reservation ends otherwise than by `seal`: the output written in place is
-        frozen (a write through it no longer reaches the extent, which is freed or reused)."""
-        in_place, self._in_place = self._in_place, None
-        if in_place is not None:
-            in_place.freeze()
-
     def abandon(self, reason: str = "abandoned") -> None:
         """Give the key up: waiters are woken and the first of them computes it instead. After
         `hand_over` this ends the reservation only if it was not adopted yet."""
         if self._open or self._handed:
-            self._let_output_go()
             self._open = False
             if self._holder is not None and self.slot >= 0:
                 self._holder.abandon(self, reason)
@@ -171,7 +112,6 @@ class Reservation:
         look again and the first of them reserves the key; no failure is reported to them. After
         `hand_over` this ends the reservation only if it was not adopted yet."""
         if self._open or self._handed:
-            self._let_output_go()
             self._open = False
             if self._holder is not None and self.slot >= 0:
                 self._holder.withdraw(self)
@@ -183,7 +123,6 @@ class Reservation:
         if either process dies, the reservation ends as if its holder died."""
         if not self.owned or self._holder is None:
             raise ReservationLost(f"{self.key!r}: only an owned reservation can be handed over")
-        self._let_output_go()
         self._open, self._handed = False, True
         return self._holder.ticket(self)
 
