@@ -260,16 +260,18 @@ def test_an_interrupt_anywhere_after_a_failed_transfer_never_frees_its_memory(
                 RemoteBridge._set_aside.__code__: None,
             }
             for at, name in enumerate(names[2:]):
-                before = held()
+                before, set_aside = held(), b.stats()["remote_set_aside"]
                 interrupter = InterruptAtLine(at, answered)
                 os.kill(master, signal.SIGSTOP)
                 try:
                     with interrupter.tracing(), contextlib.suppress(KeyboardInterrupt):
                         value = b.get_or_compute(key_of(name), lambda n=name: expected_value(n, numel))
+                    counted = b.stats()["remote_set_aside"] - set_aside
+                    assert counted == 1 or (counted == 0 and interrupter.fired), counted  # never twice
                     if not interrupter.fired:  # past the set-aside: the pull looked again and computed
                         assert fingerprint(value) == fingerprint(expected_value(name, numel))
                         del value
-                        assert at > 5, at  # the reading of the answer and the set-aside took lines
+                        assert at > 5 and interrupter.seen == at, at  # every line was interrupted once
                         break
                     new = held() - before  # (an earlier pull's late call may free its extent meanwhile)
                     assert len(new) == 1, f"interrupted at line {at}: its extent was freed"

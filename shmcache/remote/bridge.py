@@ -78,13 +78,16 @@ class NotInPlace(enum.Enum):
     LARGER = "the object is larger than the extent"  # after a guess: ask the store for the size
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False)
 class _Unread:
     """A transfer into a reservation's extent whose answer was not read yet: the extent may be
-    written; `calls` gets the call if it outlives its wait."""
+    written. `calls` gets the call if it outlives its wait; the rest is how far its set-aside
+    got, so that running it again (after an interrupt inside it) repeats no step."""
 
     reservation: Reservation
     calls: list[Future[Any]] = field(default_factory=list)
+    set_aside: bool | None = None  # None: not tried; False: kept reserved until close instead
+    watched: bool = False  # its late call frees the memory when it answers clean
 
 
 class RemoteBridge:
@@ -137,8 +140,9 @@ class RemoteBridge:
         when this process detaches, and no transfer may write it then."""
         with self._closing:
             self._closed = True  # late calls ending from here on leave their memory to the detach
-        closed = self.store.close(drain_s=DRAIN_S if self._tainted else 0.0)
-        if not closed and self._tainted:
+        tainted = self._tainted or bool(self._unread)  # unread: interrupted twice, or a pull running
+        closed = self.store.close(drain_s=DRAIN_S if tainted else 0.0)
+        if not closed and tainted:
             log.error("shmcache: a Mooncake transfer into node memory is still running at close")
         for res in self._kept if closed else ():
             self._node.abandon(res.slot, res.gen, FailureKind.UNCACHEABLE, "a remote transfer failed")
@@ -223,18 +227,22 @@ class RemoteBridge:
         reservation aside (kept reserved till close if that cannot be done). If the call that
         outlived its wait later answers that nothing writes there any more, the memory is freed
         then; otherwise at detach. The transfer leaves `_unread` last, so an interrupt in here
-        leaves it for `interrupted` to finish (running this again is harmless)."""
+        leaves it for `interrupted` to finish; each step records that it was done."""
         node, reservation = self._node, transfer.reservation
-        slot, gen, call = reservation.slot, reservation.gen, next(iter(transfer.calls), None)
+        slot, gen = reservation.slot, reservation.gen
         self._tainted = True
-        node.count(Counter.REMOTE_SET_ASIDE)
-        try:
-            set_aside = node.set_aside(slot, gen)
-        except Exception:  # a lock timeout: never let the caller's abandon free this memory
-            set_aside = False
-        if not set_aside:
-            self._kept.append(reservation)  # stays reserved (ours) until close
-        elif call is not None:
+        if transfer.set_aside is None:
+            try:
+                done = node.set_aside(slot, gen)
+            except Exception:  # a lock timeout: never let the caller's abandon free this memory
+                done = False
+            if not done:
+                self._kept.append(reservation)  # stays reserved (ours) until close
+            transfer.set_aside = done
+            node.count(Counter.REMOTE_SET_ASIDE)
+        call = next(iter(transfer.calls), None)
+        if transfer.set_aside and call is not None and not transfer.watched:
+            transfer.watched = True  # first: never two callbacks, each releasing a pin
             call.add_done_callback(lambda done: self._transfer_ended(done, slot, gen))
         self._unread.remove(transfer)
 

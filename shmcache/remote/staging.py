@@ -15,7 +15,9 @@ handed out) and given back only when its answer was read and says nothing writes
 its wait comes back when that call answers that nothing writes there any more (the whole object
 arrived, or no transfer ran): the next pull takes it back (a thin client has one pull half: until
 then it pulls nothing, counted as remote errors). A transfer that failed outright may leave slices
-in flight: its buffer stays lent.
+in flight: its buffer stays lent. So does one interrupted before its call started or after its
+answer came back but before it was read (no late call to wait for): a thin client then pulls no
+more until it restarts.
 """
 
 from __future__ import annotations
@@ -107,8 +109,8 @@ class Staging:
         if not self.pooled:  # a new array replaces it: those nothing writes into any more can go
             self._lent = [loan for loan in self._lent if not loan.ended()]
         loan = Loan(buffer, clean)
-        self._lent.append(loan)  # first: an interrupt between the two lines leaks, never shares
-        self._pull = None
+        self._lent.append(loan)  # first: an interrupt before the next line leaves a loan that
+        self._pull = None  # never ends (nothing in flight), never a buffer a transfer shares
         return loan
 
     def give_back(self, loan: Loan) -> None:
