@@ -21,6 +21,7 @@ import pytest
 from shmcache import CacheConfig, EmbeddingCache
 from shmcache.node.slots import SlotState
 from shmcache.remote.bridge import RemoteBridge
+from shmcache.remote.setaside import SetAside
 from shmcache.remote.store import RemoteStore, remote_key
 from shmcache.testing import MooncakeMaster
 from tests.helpers import InterruptAtLine, kill, spawn, wait_for
@@ -257,7 +258,7 @@ def test_an_interrupt_anywhere_after_a_failed_transfer_never_frees_its_memory(
             master = shmcache_mooncake.process.pid
             answered = {
                 RemoteBridge._pull_in_place.__code__: "fetched",
-                RemoteBridge._set_aside.__code__: None,
+                SetAside.set_aside.__code__: None,
             }
             for at, name in enumerate(names[2:]):
                 before, set_aside = held(), b.stats()["remote_set_aside"]

@@ -142,7 +142,7 @@ class Claims:
                     claims[i] = None
         except BaseException:  # what we reserved goes back unused (waiters look again, no failure)
             for res in owned.values():
-                if res.owned and (bridge is None or not bridge.interrupted(res)):
+                if res.owned and (bridge is None or not bridge.set_aside.interrupted(res)):
                     res.withdraw()
             raise
         return claims
@@ -156,7 +156,7 @@ class Claims:
         try:
             pulled = self.bridge.pull_or_lease(res)
         except BaseException:  # given back unused: a waiter looks again (no failure to report)
-            if not self.bridge.interrupted(res):
+            if not self.bridge.set_aside.interrupted(res):
                 res.withdraw()
             raise
         if pulled is LOOK_AGAIN:

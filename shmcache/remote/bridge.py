@@ -12,13 +12,13 @@ miss, or a pull that brings nothing, gives the extent back (the room a guess mad
 what the compute that follows needs: the kind's sizes are steady).
 
 A transfer that failed or timed out may still write into its extent after the call returned, so
-the reservation is *set aside* (slots.py): the memory stays out of the allocator's hands until the
-late call answers that nothing writes there any more (the object arrived, or no transfer ran), or
-else until this process detaches or dies; the caller looks the key up again. A thin client of the
-node's holder can only transfer through the holder's pool: its pulls land in a pool buffer and
-are copied after verification. Many misses of one request are pulled in one `batch_get_into`
-(`pull_many`, through the pull buffer). A publish pins the entry until the store has read it,
-and never blocks (store.py's bounded queue).
+the reservation is *set aside* (setaside.py, slots.py): the memory stays out of the allocator's
+hands until the late call answers that nothing writes there any more (the object arrived, or no
+transfer ran), or else until this process detaches or dies; the caller looks the key up again.
+A thin client of the node's holder can only transfer through the holder's pool: its pulls land
+in a pool buffer and are copied after verification. Many misses of one request are pulled in one
+`batch_get_into` (`pull_many`, through the pull buffer). A publish pins the entry until the store
+has read it, and never blocks (store.py's bounded queue).
 """
 
 from __future__ import annotations
@@ -28,9 +28,7 @@ import logging
 import mmap
 import threading
 from collections.abc import Sequence
-from concurrent.futures import Future
-from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Final
 
 import numpy as np
 
@@ -41,13 +39,13 @@ from shmcache.format.values import Value
 from shmcache.keys.key import EmbeddingCacheKey
 from shmcache.node.index import NodeIndex
 from shmcache.node.layout import Counter, needle_of
-from shmcache.node.slots import FailureKind, SealedEntry
+from shmcache.node.slots import SealedEntry
 from shmcache.process.reservation import Reservation
 from shmcache.process.views import Views
 from shmcache.remote import lease
-from shmcache.remote.answers import Transfer, nothing_in_flight
+from shmcache.remote.answers import Transfer
+from shmcache.remote.setaside import SetAside
 from shmcache.remote.sizes import SizeGuesses
-from shmcache.remote.staging import LateCall
 from shmcache.remote.store import RemoteStore, remote_key
 
 __all__ = ["BATCH_ITEM_BYTES", "LOOK_AGAIN", "LookAgain", "Pulled", "RemoteBridge"]
@@ -78,18 +76,6 @@ class NotInPlace(enum.Enum):
     LARGER = "the object is larger than the extent"  # after a guess: ask the store for the size
 
 
-@dataclass(eq=False)
-class _Unread:
-    """A transfer into a reservation's extent whose answer was not read yet: the extent may be
-    written. `calls` gets the call if it outlives its wait; the rest is how far its set-aside
-    got, so that running it again (after an interrupt inside it) repeats no step."""
-
-    reservation: Reservation
-    calls: list[Future[Any]] = field(default_factory=list)
-    set_aside: bool | None = None  # None: not tried; False: kept reserved until close instead
-    watched: bool = False  # its late call frees the memory when it answers clean
-
-
 class RemoteBridge:
     """One process's link from its node index to the remote store."""
 
@@ -114,10 +100,7 @@ class RemoteBridge:
         self._node_tag = lease.node_tag(node.segments.names.index)  # in our lease tokens
         self._leases: dict[tuple[int, int], lease.Lease] = {}  # by the (slot, gen) it covers
         self._sizes = SizeGuesses()
-        self._tainted = False  # a transfer into the arena failed: its memory is set aside
-        self._kept: list[Reservation] = []  # tainted, and no pin to set it aside: kept till close
-        self._unread: list[_Unread] = []  # transfers into the arena whose answer is not read yet
-        self._closing, self._closed = threading.Lock(), False
+        self.set_aside = SetAside(node)  # node memory our transfers may still write
 
     @classmethod
     def open(cls, config: CacheConfig, node: NodeIndex, arena: mmap.mmap, views: Views) -> RemoteBridge:
@@ -138,14 +121,12 @@ class RemoteBridge:
         """Finish queued publishes (they hold pins), then disconnect. After a failed transfer into
         the arena, wait (up to `DRAIN_S`) for calls still running: the set-aside memory is freed
         when this process detaches, and no transfer may write it then."""
-        with self._closing:
-            self._closed = True  # late calls ending from here on leave their memory to the detach
-        tainted = self._tainted or bool(self._unread)  # unread: interrupted twice, or a pull running
+        tainted = self.set_aside.closing()
         closed = self.store.close(drain_s=DRAIN_S if tainted else 0.0)
         if not closed and tainted:
             log.error("shmcache: a Mooncake transfer into node memory is still running at close")
-        for res in self._kept if closed else ():
-            self._node.abandon(res.slot, res.gen, FailureKind.UNCACHEABLE, "a remote transfer failed")
+        if closed:
+            self.set_aside.closed()
 
     def pull(self, reservation: Reservation, *, guess: bool = True) -> Pulled:
         """Under our `reservation`: bring the key's entry from the store into node memory and seal
@@ -189,17 +170,16 @@ class RemoteBridge:
             offset = node.allocate(slot, gen, room)
         except CapacityError:
             return NotInPlace.NO_ROOM
-        transfer = _Unread(reservation)
-        self._unread.append(transfer)  # from here an exception sets the reservation aside
+        transfer = self.set_aside.start(reservation)  # from here an exception sets it aside
         try:
             fetched = self.store.fetch_into(name, self._arena_address + offset, room, transfer.calls.append)
         except BaseException:  # interrupted while the transfer may go on (the call is in `calls`)
-            self._set_aside(transfer)
+            self.set_aside.set_aside(transfer)
             raise
         if fetched.outcome is Transfer.TAINTED:
-            self._set_aside(transfer)
+            self.set_aside.set_aside(transfer)
             return LOOK_AGAIN
-        self._unread.remove(transfer)  # nothing writes there any more: the extent is ours again
+        self.set_aside.read(transfer)  # nothing writes there any more: the extent is ours again
         size = fetched.nbytes  # 0 unless DONE
         if size < room:
             node.shrink(slot, gen, size)  # all of it back when nothing arrived
@@ -221,49 +201,6 @@ class RemoteBridge:
         key, request_id = reservation.key, reservation.request_id
         value = self._views.deliver(key, needle_of(key), sealed, request_id)
         return LOOK_AGAIN if value is None else value
-
-    def _set_aside(self, transfer: _Unread) -> None:
-        """A transfer into the reservation's extent failed or was not waited for: set the
-        reservation aside (kept reserved till close if that cannot be done). If the call that
-        outlived its wait later answers that nothing writes there any more, the memory is freed
-        then; otherwise at detach. The transfer leaves `_unread` last, so an interrupt in here
-        leaves it for `interrupted` to finish; each step records that it was done."""
-        node, reservation = self._node, transfer.reservation
-        slot, gen = reservation.slot, reservation.gen
-        self._tainted = True
-        if transfer.set_aside is None:
-            try:
-                done = node.set_aside(slot, gen)
-            except Exception:  # a lock timeout: never let the caller's abandon free this memory
-                done = False
-            if not done:
-                self._kept.append(reservation)  # stays reserved (ours) until close
-            transfer.set_aside = done
-            node.count(Counter.REMOTE_SET_ASIDE)
-        call = next(iter(transfer.calls), None)
-        if transfer.set_aside and call is not None and not transfer.watched:
-            transfer.watched = True  # first: never two callbacks, each releasing a pin
-            call.add_done_callback(lambda done: self._transfer_ended(done, slot, gen))
-        self._unread.remove(transfer)
-
-    def _transfer_ended(self, call: Future[Any], slot: int, gen: int) -> None:
-        """A set-aside extent's late call returned: free it if nothing writes there any more (the
-        whole object arrived, or no transfer ran; a failed one may leave slices in flight: that
-        memory waits for the detach)."""
-        with self._closing:
-            if self._closed or not LateCall(call, nothing_in_flight).ended():
-                return
-            self._node.release([(slot, gen)])
-
-    def interrupted(self, reservation: Reservation) -> bool:
-        """A pull under `reservation` raised: True if the caller must not give the reservation
-        back (its extent may still be written), else False. A transfer whose answer was never read
-        (an interrupt between the call and the reading of its answer) is set aside first, as a
-        failed one is."""
-        unread = next((t for t in list(self._unread) if t.reservation is reservation), None)
-        if unread is not None:
-            self._set_aside(unread)
-        return any(kept is reservation for kept in self._kept)
 
     def pull_or_lease(self, reservation: Reservation) -> Pulled:
         """`pull`; on a miss, with cross-node single flight on, take the key's lease in the store

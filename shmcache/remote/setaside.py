@@ -1,0 +1,114 @@
+"""Node memory that a transfer may still write: one process's transfers into its reservations'
+extents, from the `get_into` call until the memory is safe to free again.
+
+A transfer is *unread* from before its call until its answer is read (`start` ... `read`). One
+that failed or timed out may still write after the call returned, so its reservation is *set
+aside* (`NodeIndex.set_aside`: out of the index, its extent kept by one pin of ours) and freed when
+the call that outlived its wait answers that nothing writes there any more (the object arrived, or
+no transfer ran); else at the detach. Without a spare pin it stays reserved (ours) until close.
+An exception between the call and the reading of its answer (a KeyboardInterrupt) leaves the
+transfer unread, and the caller's exception path (`interrupted`) sets it aside before it may give
+the reservation back. `set_aside` records each step it took and leaves the unread list last, so a
+run cut short by an interrupt is finished by `interrupted` without repeating a step.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from shmcache.node.index import NodeIndex
+from shmcache.node.layout import Counter
+from shmcache.node.slots import FailureKind
+from shmcache.process.reservation import Reservation
+from shmcache.remote.answers import nothing_in_flight
+from shmcache.remote.staging import LateCall
+
+__all__ = ["SetAside", "Unread"]
+
+
+@dataclass(eq=False)
+class Unread:
+    """A transfer into a reservation's extent whose answer was not read yet: the extent may be
+    written. `calls` gets the call if it outlives its wait; the rest is how far its set-aside
+    got."""
+
+    reservation: Reservation
+    calls: list[Future[Any]] = field(default_factory=list)
+    set_aside: bool | None = None  # None: not tried; False: kept reserved until close instead
+    watched: bool = False  # its late call frees the memory when it answers clean
+
+
+class SetAside:
+    """One process's transfers into node memory that may still be written, and what keeps it."""
+
+    def __init__(self, node: NodeIndex) -> None:
+        self._node = node
+        self.tainted = False  # a transfer into the arena failed: its memory is set aside
+        self._kept: list[Reservation] = []  # tainted, and no pin to set it aside: kept till close
+        self._unread: list[Unread] = []
+        self._closing, self._closed = threading.Lock(), False
+
+    def start(self, reservation: Reservation) -> Unread:
+        """Before a transfer into `reservation`'s extent starts: from here an exception sets it aside."""
+        transfer = Unread(reservation)
+        self._unread.append(transfer)
+        return transfer
+
+    def read(self, transfer: Unread) -> None:
+        """Its answer was read and nothing writes there any more: the extent is the caller's again."""
+        self._unread.remove(transfer)
+
+    def set_aside(self, transfer: Unread) -> None:
+        """The transfer failed or was not waited for: set its reservation aside (kept reserved
+        till close if that cannot be done), its memory freed when the late call answers clean."""
+        node, reservation = self._node, transfer.reservation
+        slot, gen = reservation.slot, reservation.gen
+        self.tainted = True
+        if transfer.set_aside is None:
+            try:
+                done = node.set_aside(slot, gen)
+            except Exception:  # a lock timeout: never let the caller's abandon free this memory
+                done = False
+            if not done:
+                self._kept.append(reservation)  # stays reserved (ours) until close
+            transfer.set_aside = done
+            node.count(Counter.REMOTE_SET_ASIDE)
+        call = next(iter(transfer.calls), None)
+        if transfer.set_aside and call is not None and not transfer.watched:
+            transfer.watched = True  # first: never two callbacks, each releasing a pin
+            call.add_done_callback(lambda done: self._transfer_ended(done, slot, gen))
+        self._unread.remove(transfer)
+
+    def _transfer_ended(self, call: Future[Any], slot: int, gen: int) -> None:
+        """A set-aside extent's late call returned: free it if nothing writes there any more (the
+        whole object arrived, or no transfer ran; a failed one may leave slices in flight: that
+        memory waits for the detach)."""
+        with self._closing:
+            if self._closed or not LateCall(call, nothing_in_flight).ended():
+                return
+            self._node.release([(slot, gen)])
+
+    def interrupted(self, reservation: Reservation) -> bool:
+        """A pull under `reservation` raised: True if the caller must not give the reservation
+        back (its extent may still be written), else False. A transfer whose answer was never read
+        is set aside first, as a failed one is."""
+        unread = next((t for t in list(self._unread) if t.reservation is reservation), None)
+        if unread is not None:
+            self.set_aside(unread)
+        return any(kept is reservation for kept in self._kept)
+
+    def closing(self) -> bool:
+        """From now on late calls leave their memory to the detach; True if calls may still
+        write node memory (a transfer failed, or one is unread: interrupted twice, or running),
+        so the store's close must wait for them."""
+        with self._closing:
+            self._closed = True
+        return self.tainted or bool(self._unread)
+
+    def closed(self) -> None:
+        """The store's client is closed (no transfer runs any more): free what was kept reserved."""
+        for res in self._kept:
+            self._node.abandon(res.slot, res.gen, FailureKind.UNCACHEABLE, "a remote transfer failed")
