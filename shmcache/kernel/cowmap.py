@@ -10,7 +10,10 @@ after the bytes around it were freed and reused by another entry, and then show 
 that entry. When the returned array and every array derived from it die, the mapping is reset
 (`madvise(MADV_DONTNEED)` drops its written pages: they read the file again, as in a fresh
 mapping) and kept idle for the next view of the same pages, so a repeated get costs no `mmap`;
-the pool keeps at most 64 and 256 MiB of them (no pages) and unmaps them when it closes.
+the pool keeps at most 64 and 256 MiB of them and unmaps them when it closes. A mapping of
+64 KiB to 32 MiB that no view wrote (/proc/self/pagemap: no page of it is an anonymous copy) is not
+reset: its page-table entries map the file's own pages, so they show whatever the file holds, and
+the next view of those pages reads them without page faults.
 
 A batch of views (`view_many`, for `get_many`) shares one mapping per run of nearby extents: the
 mapping is then unmapped when the last view of its run dies, and each view's death is reported
