@@ -22,6 +22,7 @@ __all__ = [
     "file_offset",
     "kernel_objects",
     "kill",
+    "pages_present",
     "physical_page",
     "sealed_slot",
     "spawn",
@@ -79,6 +80,15 @@ def physical_page(address: int) -> int:
         pagemap.seek(address // page * 8)
         entry = int.from_bytes(pagemap.read(8), "little")
     return entry & ((1 << 55) - 1) if entry >> 63 else 0
+
+
+def pages_present(view: Any) -> int:
+    """How many of the pages under the array `view` this process has mapped (not touching them)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    with open("/proc/self/pagemap", "rb") as pagemap:
+        pagemap.seek(view.ctypes.data // page * 8)
+        entries = pagemap.read(view.nbytes // page * 8)
+    return sum(entries[i + 7] >> 7 for i in range(0, len(entries), 8))
 
 
 def arena_page(shared: Any, offset: int) -> int:

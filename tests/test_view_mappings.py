@@ -7,19 +7,8 @@ import gc
 import os
 from pathlib import Path
 
-import numpy as np
-
 from shmcache.kernel.cowmap import CowMapper
-
-
-def _pages_present(view: np.ndarray) -> int:
-    """How many of the pages under `view` this process has mapped (without touching them)."""
-    page = os.sysconf("SC_PAGE_SIZE")
-    start, count = view.ctypes.data // page, view.nbytes // page
-    with open("/proc/self/pagemap", "rb") as pagemap:
-        pagemap.seek(start * 8)
-        entries = np.frombuffer(pagemap.read(count * 8), dtype="<u8")
-    return int((entries >> np.uint64(63)).sum())
+from tests.helpers import pages_present
 
 
 def test_an_idle_mapping_keeps_its_pages_mapped_unless_a_view_wrote_one(tmp_path: Path) -> None:
@@ -37,13 +26,13 @@ def test_an_idle_mapping_keeps_its_pages_mapped_unless_a_view_wrote_one(tmp_path
     gc.collect()
     again = mapper.view(0, size)
     assert again.ctypes.data == address  # the idle mapping, reused
-    assert _pages_present(again) == size // 4096  # still mapped: it was not written
+    assert pages_present(again) == size // 4096  # still mapped: it was not written
     again[size // 2] = 0x22  # a consumer's in-place op: this view's own copy of one page
     del again
     gc.collect()
     third = mapper.view(0, size)
     assert third.ctypes.data == address
-    assert _pages_present(third) == 0  # reset: the written copy was dropped (before reading it)
+    assert pages_present(third) == 0  # reset: the written copy was dropped (before reading it)
     assert int(third[size // 2]) == 0x11 and os.pread(fd, 1, size // 2) == b"\x11"  # the file's byte
     del third
     small = mapper.view(0, 4096)
@@ -51,6 +40,6 @@ def test_an_idle_mapping_keeps_its_pages_mapped_unless_a_view_wrote_one(tmp_path
     del small
     gc.collect()
     small = mapper.view(0, 4096)
-    assert _pages_present(small) == 0  # below 64 KiB: always reset (one madvise is cheaper)
+    assert pages_present(small) == 0  # below 64 KiB: always reset (one madvise is cheaper)
     del small
     mapper.close()

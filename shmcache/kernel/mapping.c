@@ -6,8 +6,9 @@
  * mapping would; one madvise at death instead of an munmap there and an mmap at the next view.
  * A mapping of 64 KiB to 32 MiB that no view wrote keeps its page-table entries instead (they map
  * the file's own pages, so they read whatever the file holds, as after a reset): the next view
- * of the same pages reads them without faults. A pool keeps at most IDLE_MAX of them and IDLE_BYTES in all (the oldest go first, and all of
- * them before an mmap gives up for lack of room).
+ * of the same pages reads them without faults. A pool keeps at most IDLE_MAX of them and
+ * IDLE_BYTES in all (the oldest go first, and all of them before an mmap gives up for lack of
+ * room).
  * A batch of views (`map_many`) shares one mapping per run of nearby extents: each view is then a
  * window object holding that mapping, which is unmapped when the last of its windows dies.
  * `copy_into` is how a writer fills shared memory (see there).
