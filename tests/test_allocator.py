@@ -234,3 +234,31 @@ def test_a_shrunk_reservation_gives_its_tail_to_the_next_allocation(namespace: s
                 node.shrink(a.slot, a.gen + 1, 0)
             node.shrink(a.slot, a.gen, 0)  # all of it back: b's next extent starts at 0
             assert node.allocate(b.slot, b.gen, 64) == 0
+
+
+def test_views_dropped_just_before_a_compute_never_keep_it_from_evicting(namespace: str) -> None:
+    """A dead view's pin is released by the release thread after a pause of a few milliseconds.
+    An allocation that finds the arena full meanwhile releases it first, so a process that drops
+    each value before computing the next stores them all (the arena holds three)."""
+    config = sample_cache_config(
+        namespace, capacity_bytes=4 << 20, max_entries=64, ways=8, return_mode="view"
+    )
+    with EmbeddingCache(config) as cache:
+        for i in range(8):
+            value = cache.get_or_compute(key_of(f"v{i}"), lambda: _ENTRY)
+            del value  # dead: its pin is queued for the release thread
+        stats = cache.stats()
+        assert (stats["puts"], stats["uncacheable"], stats["evictions_lru"]) == (8, 0, 5)
+        assert [cache.contains(key_of(f"v{i}")) for i in range(8)] == [False] * 5 + [True] * 3
+
+
+def test_views_dropped_just_before_a_compute_never_keep_its_stripe_full(namespace: str) -> None:
+    """The same for slots: every way of the only stripe is referenced by a view that died a moment
+    ago; the claim releases those pins and evicts instead of computing uncached."""
+    config = sample_cache_config(namespace, capacity_bytes=8 << 20, max_entries=4, ways=4, return_mode="view")
+    with EmbeddingCache(config) as cache:
+        for i in range(6):
+            value = cache.get_or_compute(key_of(f"s{i}"), lambda: _SMALL)
+            del value
+        stats = cache.stats()
+        assert (stats["puts"], stats["uncacheable"], stats["evictions_lru"]) == (6, 0, 2)

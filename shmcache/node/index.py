@@ -71,6 +71,8 @@ class NodeIndex:
             self.slots, self.sections, self.counters, self.capacity, self.reservations.owner_alive
         )
         self.client = -1
+        self.reclaim: Callable[[], bool] = lambda: False  # the process's dead views' pins, released
+        # at once when the arena is full (process/releases.py); True if any were
 
     # ------------------------------------------------------------------ attach and detach
     def attach(self) -> None:
@@ -149,10 +151,20 @@ class NodeIndex:
 
     def allocate(self, slot: int, gen: int, nbytes: int) -> int:
         """Give our reservation (slot, gen) `nbytes` of arena (replacing any extent): the offset.
-        `CapacityError` (no room) or `ReservationLost` (taken over) leave it unchanged."""
+        When the arena is full, `reclaim` first, then once more. `CapacityError` (no room) or
+        `ReservationLost` (taken over) leave it unchanged."""
         need = aligned(nbytes)
         if need > self.capacity:
             raise CapacityError(f"value of {nbytes} bytes exceeds capacity_bytes={self.capacity}")
+        try:
+            return self._place(slot, gen, need)
+        except CapacityError:
+            if not self.reclaim():  # outside the node section: it takes stripe sections
+                raise
+        return self._place(slot, gen, need)
+
+    def _place(self, slot: int, gen: int, need: int) -> int:
+        """`allocate`'s step under the node section: find room, evicting, and take it."""
         with self.sections.node():
             offset = self.allocator.find(need, self.repairs.reap_dead)
             with self.sections.stripe(slot // self.layout.ways):

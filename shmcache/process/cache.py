@@ -93,6 +93,7 @@ class EmbeddingCache:
         self._detached = False
         self._requests = RequestRefs()
         self._releases = Releases(node, self._device, on_idle=self._detach)
+        node.reclaim = self._releases.release_now  # when full: our dead views' pins first
         self._views = Views(node, segments, config, self._device, self._requests, self._releases)
         self._claims = Claims(node, segments.arena, config, self._views, self._device, self._requests)
         self._bridge: RemoteBridge | None = None

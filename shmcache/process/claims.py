@@ -84,11 +84,12 @@ class Claims:
                     return settled
                 pull = False  # the pull ended our reservation (set aside): look again, no pull
                 continue
-            if claim.kind is ClaimKind.FULL:
+            if claim.kind is ClaimKind.FULL:  # every way of the stripe referenced
                 if reaped:
                     return Reservation(self, key, request_id)
                 reaped = True
-                node.reap()
+                node.reclaim()  # our views that died since
+                node.reap()  # and dead processes' pins
                 continue
             if not wait:
                 return None

@@ -4,8 +4,9 @@ Every zero-copy view derives from one holder array per mapping; when the holder 
 is given back (reset, kept for reuse, or unmapped) and only enqueues its (slot, gen)
 (`CowMapper.on_death`). One daemon thread per cache
 wakes on the first item, pauses a few milliseconds so releases batch, waits for GPU work still
-reading released device aliases, then drops the pins in one node transaction. `flush` does the
-same at once in the calling thread.
+reading released device aliases, then drops the pins in one node transaction. The pause holds no
+item back: `release_now` (the allocator, when the arena is full) and `flush` release everything
+queued at once in the calling thread, so a view dead before a `put` never keeps it from evicting.
 """
 
 from __future__ import annotations
@@ -64,10 +65,10 @@ class Releases:
 
     def _run(self) -> None:
         while True:
-            item = self._queue.get()
+            self._queue.put(self._queue.get())  # wake on the first item, leaving it queued
             time.sleep(_BATCH_S)
-            batch = [item, *self._drain()]
-            if self._release(batch):
+            batch = self._drain()  # empty if `release_now` took it all meanwhile
+            if batch and self._release(batch):
                 return
 
     def _drain(self) -> list[tuple[int, int] | None]:
@@ -78,18 +79,29 @@ class Releases:
             except queue.Empty:
                 return items
 
+    def release_now(self) -> bool:
+        """Release the queued pins of dead views now, in this thread, not after the release
+        thread's pause (the arena is full: they may be what keeps it full); True if any were.
+        Nothing once closing: the last release then detaches, which is `flush`'s to do."""
+        return not self.closing and self._release_queued()
+
     def flush(self) -> bool:
         """Release the pins of views already garbage collected, now, in this thread; True if no
         live view is left afterwards."""
         gc.collect()  # views in reference cycles
+        self._release_queued()
+        with self._released:  # the thread may hold a batch it took just before us
+            return self._released.wait_for(lambda: self._live == 0, timeout=_WAIT_S)
+
+    def _release_queued(self) -> bool:
+        """Release every pin queued, in this thread; True if there were any."""
         pending = self._drain()
         if None in pending:
             self._queue.put(None)  # the thread's stop signal: leave it for the thread
         pins: list[tuple[int, int] | None] = [item for item in pending if item is not None]
         if pins:
             self._release(pins)
-        with self._released:  # the thread may hold a batch it took just before us
-            return self._released.wait_for(lambda: self._live == 0, timeout=_WAIT_S)
+        return bool(pins)
 
     def _release(self, batch: list[tuple[int, int] | None]) -> bool:
         """Unpin a batch of released views; True when the thread should stop."""
