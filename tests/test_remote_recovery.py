@@ -14,9 +14,12 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from shmcache import EmbeddingCache, destroy_namespace
+from shmcache import CacheConfig, EmbeddingCache, destroy_namespace
+from shmcache.remote.answers import MASTER_GONE, OBJECT_NOT_FOUND
+from shmcache.remote.store import RemoteStore
 from shmcache.testing import MooncakeMaster
 from tests import workers
 from tests.helpers import spawn, wait_for
@@ -144,3 +147,32 @@ def test_a_pull_interrupted_in_one_process_lets_its_waiters_compute_not_fail(
         del value
         puller.join(60)
         assert puller.exitcode == 0
+
+
+def test_a_batch_answered_by_a_gone_master_keeps_each_items_code(shmcache_mooncake: MooncakeMaster) -> None:
+    """A batch call's answer names each item's fate; one item's "master gone" begins an outage but
+    must not hide the others' (one may have failed mid-transfer and still write into its memory).
+    A killed master answers RPC_FAIL for every item, and that list comes back whole."""
+    store = RemoteStore(
+        CacheConfig(
+            remote_master=shmcache_mooncake.address,
+            remote_segment_bytes=16 << 20,
+            remote_buffer_bytes=16 << 20,
+            store_unavailable_mode="strict",
+            remote_timeout_s=30.0,  # a call to a killed master may retry its connection for seconds
+        ),
+        lambda counter, n: None,
+    )
+    try:
+        memory = np.zeros(8192, dtype=np.uint8)
+        address = int(memory.ctypes.data)
+        store.register(address, memory.nbytes)
+        names, addresses, sizes = ["a", "b"], [address, address + 4096], [4096, 4096]
+        assert store._call("batch_get_into", names, addresses, sizes) == [OBJECT_NOT_FOUND] * 2
+        shmcache_mooncake.kill()
+        rcs = store._call("batch_get_into", names, addresses, sizes)
+        assert isinstance(rcs, list) and len(rcs) == 2 and all(rc in MASTER_GONE for rc in rcs), rcs
+        assert not store.available  # the outage began
+    finally:
+        shmcache_mooncake.restart()  # the client's close then unmounts at once (not after retries)
+        store.close()

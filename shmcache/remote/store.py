@@ -150,7 +150,8 @@ class RemoteStore:
 
     def _call(self, method: str, *args: Any, stuck: Callable[[Future[Any]], None] | None = None) -> Any:
         """`client.method(*args)` (a return code, or a list of them), waiting at most `timeout_s`.
-        An outage begins when the master is gone (None) or does not answer in time (`TIMED_OUT`:
+        An outage begins when the master is gone (None; a batch's list is kept: its other items
+        may have transferred, or failed mid-transfer) or does not answer in time (`TIMED_OUT`:
         the call goes on in its thread and may still write into the memory it was given; its
         future is handed to `stuck`, as it is when the wait is interrupted: `close` waits for it)."""
         client = self._client
@@ -171,11 +172,11 @@ class RemoteStore:
             if future is not None and not future.done():
                 self._outlived(future, stuck)
             raise
-        codes = result if isinstance(result, list) else [result]
-        gone = next((rc for rc in codes if rc in MASTER_GONE), None)
+        batch = isinstance(result, list)
+        gone = next((rc for rc in (result if batch else [result]) if rc in MASTER_GONE), None)
         if gone is not None:
             self.health.down(f"Mooncake master {self.master} stopped answering (rc {gone})")
-            return None
+            return result if batch else None  # each item's code still says what its transfer did
         return result
 
     def _outlived(self, call: Future[Any], stuck: Callable[[Future[Any]], None] | None) -> None:
@@ -276,7 +277,7 @@ class RemoteStore:
         loan = staging.lend(buffer, batch_clean)
         rcs = self._call("batch_get_into", names, addresses, [cap] * len(names), stuck=loan.calls.append)
         if not isinstance(rcs, list):
-            if rcs is not TIMED_OUT:  # no transfer ran (closing, or the master gone)
+            if rcs is not TIMED_OUT:  # no transfer ran (closing)
                 staging.give_back(loan)
             return found, []
         larger = []
