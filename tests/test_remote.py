@@ -9,6 +9,16 @@ import uuid
 import pytest
 
 from shmcache import CacheConfig, EmbeddingCache
+from shmcache.remote.answers import (
+    MOONCAKE_WAIT_S,
+    TIMED_OUT,
+    TRANSFER_FAIL,
+    Transfer,
+    batch_clean,
+    ended,
+    get_into_outcome,
+    taints,
+)
 from shmcache.remote.store import RemoteStore, remote_key
 from shmcache.testing import MooncakeMaster, ProcessPool
 from tests.helpers import wait_for
@@ -118,3 +128,15 @@ def test_a_requests_misses_are_pulled_in_one_batch(
             stats = b.stats()
             assert stats["hits_remote"] == len(names) and stats["computes"] == 0
             del claims, pulled, got
+
+
+def test_a_failed_transfer_frees_its_memory_only_when_every_slice_ended() -> None:
+    """TRANSFER_FAIL leaves nothing writing only on TCP and before Mooncake's own wait ran out
+    (answers.py); a call we stopped waiting for may always still write."""
+    assert not taints(TRANSFER_FAIL, failure_ended=ended(True, 0.5))
+    assert get_into_outcome(TRANSFER_FAIL, 4096, failure_ended=ended(True, 0.5)).outcome is Transfer.QUIET
+    assert taints(TRANSFER_FAIL, failure_ended=ended(False, 0.5))  # RDMA: posted reads may still land
+    assert taints(TRANSFER_FAIL, failure_ended=ended(True, MOONCAKE_WAIT_S))  # its wait ran out
+    assert taints(TIMED_OUT, failure_ended=True)
+    assert batch_clean([100, TRANSFER_FAIL], failure_ended=True)
+    assert not batch_clean([100, TRANSFER_FAIL], failure_ended=False)

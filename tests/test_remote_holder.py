@@ -217,3 +217,43 @@ def test_a_pull_buffer_set_aside_comes_back_only_after_its_late_call_moved_every
             assert again is None  # slices may still be in flight: the pool has no other pull half
     finally:
         store.close()
+
+
+def test_a_thin_clients_pull_from_a_dead_holder_gives_its_buffer_back(
+    shmcache_mooncake: MooncakeMaster, tmp_path: Path
+) -> None:
+    """Node A's holder (the only segment mounted: the copy is there) is SIGKILLed after its worker
+    published; the master still lists the copy. Node B's thin client pulls it through its own
+    holder, which cannot reach A's segment and answers TRANSFER_FAIL at once (every slice
+    ended): B computes, and its one pull buffer is handed out again (it stayed lent for good
+    before: that thin client pulled nothing more until it restarted)."""
+    holder_a = MooncakeHolder(shmcache_mooncake)
+    thin_a = remote_config(
+        f"node-a-{uuid.uuid4().hex[:10]}", shmcache_mooncake.address, remote_holder=holder_a.address
+    )
+    worker = spawn(publish_and_wait, thin_a, "orphan", str(tmp_path / "published"))
+    holder_b = None
+    try:
+        wait_for((tmp_path / "published").exists, timeout=60, what="A's publish")
+        holder_b = MooncakeHolder(shmcache_mooncake)
+        thin_b = dataclasses.replace(
+            thin_a, namespace=f"node-b-{uuid.uuid4().hex[:10]}", remote_holder=holder_b.address
+        )
+        holder_a.kill()
+        try:
+            with EmbeddingCache(thin_b) as b:
+                value = b.get_or_compute(key_of("orphan"), lambda: expected_value("orphan", 1 << 20))
+                assert fingerprint(value) == fingerprint(expected_value("orphan", 1 << 20))
+                stats = b.stats()
+                assert stats["computes"] == 1 and stats["hits_remote"] == 0 and stats["remote_errors"] >= 1
+                staging = b._bridge.store.staging if b._bridge is not None else None
+                assert staging is not None and staging.pull_buffer(4096) is not None
+                del value
+        finally:
+            destroy_namespace(thin_b.namespace)
+    finally:
+        kill(worker)
+        holder_a.kill()
+        if holder_b is not None:
+            holder_b.kill()
+        destroy_namespace(thin_a.namespace)

@@ -351,3 +351,31 @@ def test_memory_set_aside_by_a_process_that_dies_comes_back_to_the_node(
         for n, value in zip("xyz", held, strict=True):
             assert fingerprint(value) == fingerprint(expected_value(n, SIZE))
         del held, value
+
+
+def test_a_pull_from_a_publisher_that_died_gives_its_memory_back_at_once(
+    shmcache_mooncake: MooncakeMaster, shmcache_namespace: str, other_namespace: str
+) -> None:
+    """Node A published and was SIGKILLed; the master still lists its copy (for `client_ttl`).
+    Node B's pull cannot reach A's segment: Mooncake answers TRANSFER_FAIL at once, after every
+    slice ended (none started), so the extent goes back to the arena (it was set aside until
+    B's detach before) and B computes. Three entries then fit in B's room for three."""
+    config_a = remote_config(shmcache_namespace, shmcache_mooncake.address)
+    nbytes = 2 * SIZE + 4096
+    config_b = dataclasses.replace(config_a, namespace=other_namespace, capacity_bytes=3 * nbytes)
+    ctx = mp.get_context("spawn")
+    ready, done = ctx.Event(), ctx.Event()
+    proc = spawn(publisher, config_a, "gone", ready, done)
+    try:
+        assert ready.wait(60), "node A did not publish"
+    finally:
+        kill(proc)
+    with EmbeddingCache(config_b) as b:
+        value = b.get_or_compute(key_of("gone"), lambda: expected_value("gone", SIZE))
+        assert fingerprint(value) == fingerprint(expected_value("gone", SIZE))
+        stats = b.stats()
+        assert (stats["computes"], stats["hits_remote"], stats["remote_set_aside"]) == (1, 0, 0), stats
+        assert stats["remote_errors"] >= 1 and stats["stale"] == 0
+        held = [b.get_or_compute(key_of(n), lambda n=n: expected_value(n, SIZE)) for n in "xy"]
+        assert b.stats()["uncacheable"] == 0
+        del value, held

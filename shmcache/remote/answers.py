@@ -1,5 +1,13 @@
 """Mooncake's answers: what each return code of a call means, and for the memory a `get_into`
-was given, whether a transfer may still write there (see ../shared/MOONCAKE.md for the codes)."""
+was given, whether a transfer may still write there (see ../shared/MOONCAKE.md for the codes).
+
+When a failed transfer stops writing (read in Mooncake's store client, transfer_task.cpp): it
+answers TRANSFER_FAIL only once every slice of the transfer ended (completed or failed), unless
+its own wait (`MOONCAKE_WAIT_S`) ran out first, or, over RDMA, a submit failed after some reads
+were posted. So on TCP a TRANSFER_FAIL that came back sooner than that wait leaves nothing
+writing (`ended`: a publisher that died answers so at once). Any other failure, an answer we
+stopped waiting for, or a transport other than TCP, may leave slices in flight.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +17,7 @@ from typing import Any, NamedTuple
 __all__ = [
     "BUFFER_TOO_SMALL",
     "MASTER_GONE",
+    "MOONCAKE_WAIT_S",
     "NOT_AVAILABLE",
     "OBJECT_NOT_FOUND",
     "TIMED_OUT",
@@ -16,6 +25,7 @@ __all__ = [
     "Fetched",
     "Transfer",
     "batch_clean",
+    "ended",
     "get_into_outcome",
     "nothing_in_flight",
     "taints",
@@ -29,13 +39,14 @@ OBJECT_NOT_FOUND = -704
 BUFFER_TOO_SMALL = -600
 TRANSFER_FAIL = -800  # also what Mooncake answers when it gave up waiting (60 s) on slices in flight
 TIMED_OUT: Any = object()  # `_call`'s answer when Mooncake did not answer within remote_timeout_s
+MOONCAKE_WAIT_S = 60.0  # Mooncake's wait for a transfer's slices before it gives up on them
 
 
 class Transfer(enum.Enum):
     """How a `get_into` left the memory it was given."""
 
     DONE = "done"  # the object's bytes are there
-    UNTOUCHED = "untouched"  # a miss, or the master gone: nothing was transferred
+    QUIET = "quiet"  # no object arrived, and nothing writes there: a miss, the master gone, an ended failure
     LARGER = "larger"  # the object is larger than the memory given: nothing was transferred
     TAINTED = "tainted"  # failed or timed out: it may still be written, so it is never reused
 
@@ -53,33 +64,42 @@ def transferred(rc: Any) -> bool:
     return isinstance(rc, int) and rc >= 0
 
 
-def get_into_outcome(rc: Any, room: int) -> Fetched:
-    """How a `get_into` given `room` bytes left them when it answered `rc` (or TIMED_OUT)."""
+def ended(tcp: bool, elapsed: float) -> bool:
+    """Whether a TRANSFER_FAIL that came back `elapsed` seconds after its call started means every
+    slice of that transfer ended: on TCP, answered before Mooncake's own wait ran out."""
+    return tcp and elapsed < MOONCAKE_WAIT_S
+
+
+def get_into_outcome(rc: Any, room: int, *, failure_ended: bool = False) -> Fetched:
+    """How a `get_into` given `room` bytes left them when it answered `rc` (or TIMED_OUT);
+    `failure_ended`: a TRANSFER_FAIL answer came after every slice ended (`ended`)."""
     if transferred(rc):
         # more than the room given (never seen): the memory past it is not ours to trust
         return Fetched(Transfer.DONE, rc) if rc <= room else Fetched(Transfer.TAINTED)
     if rc == BUFFER_TOO_SMALL:
         return Fetched(Transfer.LARGER)
-    return Fetched(Transfer.TAINTED if taints(rc) else Transfer.UNTOUCHED)
+    return Fetched(Transfer.TAINTED if taints(rc, failure_ended=failure_ended) else Transfer.QUIET)
 
 
 def nothing_in_flight(rc: Any) -> bool:
     """Whether a `get_into` that outlived its wait left nothing writing into its memory when it
     answered `rc`: the whole object arrived, or no transfer ran (a miss, a refusal, the master
-    gone). A failed transfer may leave slices in flight."""
+    gone). A failed transfer may leave slices in flight (when it answered is not known here)."""
     return transferred(rc) or not taints(rc)
 
 
-def batch_clean(rcs: Any) -> bool:
+def batch_clean(rcs: Any, *, failure_ended: bool = False) -> bool:
     """Whether a `batch_get_into` answer leaves no transfer writing into its buffer."""
-    return isinstance(rcs, list) and not any(taints(rc) for rc in rcs)
+    return isinstance(rcs, list) and not any(taints(rc, failure_ended=failure_ended) for rc in rcs)
 
 
-def taints(rc: Any) -> bool:
+def taints(rc: Any, *, failure_ended: bool = False) -> bool:
     """Whether a failed `get_into` answer may leave a transfer writing into its memory: a call we
-    stopped waiting for, a failed transfer (Mooncake gives up on slices still in flight after
-    60 s and answers TRANSFER_FAIL), or an unexpected code. BUFFER_TOO_SMALL is answered before
-    any transfer starts (checked: the memory given stays as it was)."""
-    if rc is TIMED_OUT or rc == TRANSFER_FAIL:
+    stopped waiting for, a failed transfer (unless `failure_ended`: see the module docstring), or
+    an unexpected code. BUFFER_TOO_SMALL is answered before any transfer starts (checked: the
+    memory given stays as it was)."""
+    if rc is TIMED_OUT:
         return True
+    if rc == TRANSFER_FAIL:
+        return not failure_ended
     return isinstance(rc, int) and rc < 0 and rc not in NOT_AVAILABLE and rc != BUFFER_TOO_SMALL

@@ -11,10 +11,12 @@ larger than the guess is refused before any transfer starts, and the pull asks f
 miss, or a pull that brings nothing, gives the extent back (the room a guess made on a miss is
 what the compute that follows needs: the kind's sizes are steady).
 
-A transfer that failed or timed out may still write into its extent after the call returned, so
-the reservation is *set aside* (setaside.py, slots.py): the memory stays out of the allocator's
-hands until the late call answers that nothing writes there any more (the object arrived, or no
-transfer ran), or else until this process detaches or dies; the caller looks the key up again.
+A transfer that timed out, or failed in a way that may leave slices in flight (answers.py: on TCP
+a failure answered before Mooncake's own wait ran out leaves none, and its extent is given back),
+may still write into its extent after the call returned, so the reservation is *set aside*
+(setaside.py, slots.py): the memory stays out of the allocator's hands until the late call
+answers that nothing writes there any more (the object arrived, or no transfer ran), or else
+until this process detaches or dies; the caller looks the key up again.
 A thin client of the node's holder can only transfer through the holder's pool: its pulls land
 in a pool buffer and are copied after verification. Many misses of one request are pulled in one
 `batch_get_into` (`pull_many`, through the pull buffer). A publish pins the entry until the store
