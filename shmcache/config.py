@@ -64,7 +64,7 @@ class CacheConfig:
     max_pins_per_process: int = 4096
     mode: int = 0o600
     remote_master: str | None = None
-    remote_protocol: str = "tcp"  # Mooncake's transport for our transfers (a thin client: the holder's)
+    remote_protocol: str = "tcp"  # our transfers' transport; a thin client names its holder's
     remote_segment_bytes: int = 256 << 20
     remote_buffer_bytes: int = 64 << 20
     remote_key_prefix: str = "shmcache"

@@ -14,6 +14,7 @@ from shmcache import CacheConfig, EmbeddingCache
 from shmcache.errors import ReservationLost
 from shmcache.node._native import first_fit
 from shmcache.node.layout import needle_of
+from shmcache.process import releases
 from shmcache.testing import sample_cache_config
 from tests import workers
 from tests.helpers import kill, spawn, wait_for
@@ -236,10 +237,14 @@ def test_a_shrunk_reservation_gives_its_tail_to_the_next_allocation(namespace: s
             assert node.allocate(b.slot, b.gen, 64) == 0
 
 
-def test_views_dropped_just_before_a_compute_never_keep_it_from_evicting(namespace: str) -> None:
-    """A dead view's pin is released by the release thread after a pause of a few milliseconds.
-    An allocation that finds the arena full meanwhile releases it first, so a process that drops
-    each value before computing the next stores them all (the arena holds three)."""
+def test_views_dropped_just_before_a_compute_never_keep_it_from_evicting(
+    namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dead view's pin is released by the release thread after a pause (a few milliseconds; a
+    second here, so no release happens by the pause's end). An allocation that finds the arena
+    full releases it first, so a process that drops each value before computing the next stores
+    them all (the arena holds three)."""
+    monkeypatch.setattr(releases, "_BATCH_S", 1.0)
     config = sample_cache_config(
         namespace, capacity_bytes=4 << 20, max_entries=64, ways=8, return_mode="view"
     )
@@ -252,9 +257,12 @@ def test_views_dropped_just_before_a_compute_never_keep_it_from_evicting(namespa
         assert [cache.contains(key_of(f"v{i}")) for i in range(8)] == [False] * 5 + [True] * 3
 
 
-def test_views_dropped_just_before_a_compute_never_keep_its_stripe_full(namespace: str) -> None:
+def test_views_dropped_just_before_a_compute_never_keep_its_stripe_full(
+    namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The same for slots: every way of the only stripe is referenced by a view that died a moment
     ago; the claim releases those pins and evicts instead of computing uncached."""
+    monkeypatch.setattr(releases, "_BATCH_S", 1.0)
     config = sample_cache_config(namespace, capacity_bytes=8 << 20, max_entries=4, ways=4, return_mode="view")
     with EmbeddingCache(config) as cache:
         for i in range(6):

@@ -13,9 +13,9 @@ from shmcache.remote.answers import (
     MOONCAKE_WAIT_S,
     TIMED_OUT,
     TRANSFER_FAIL,
+    CallStart,
     Transfer,
     batch_clean,
-    ended,
     get_into_outcome,
     taints,
 )
@@ -131,12 +131,16 @@ def test_a_requests_misses_are_pulled_in_one_batch(
 
 
 def test_a_failed_transfer_frees_its_memory_only_when_every_slice_ended() -> None:
-    """TRANSFER_FAIL leaves nothing writing only on TCP and before Mooncake's own wait ran out
-    (answers.py); a call we stopped waiting for may always still write."""
-    assert not taints(TRANSFER_FAIL, failure_ended=ended(True, 0.5))
-    assert get_into_outcome(TRANSFER_FAIL, 4096, failure_ended=ended(True, 0.5)).outcome is Transfer.QUIET
-    assert taints(TRANSFER_FAIL, failure_ended=ended(False, 0.5))  # RDMA: posted reads may still land
-    assert taints(TRANSFER_FAIL, failure_ended=ended(True, MOONCAKE_WAIT_S))  # its wait ran out
-    assert taints(TIMED_OUT, failure_ended=True)
-    assert batch_clean([100, TRANSFER_FAIL], failure_ended=True)
-    assert not batch_clean([100, TRANSFER_FAIL], failure_ended=False)
+    """TRANSFER_FAIL leaves nothing writing only on TCP and well before Mooncake's own wait (timed
+    on the wall clock) ran out (answers.py); a call we stopped waiting for may always still write."""
+    now = CallStart.now()
+    assert not taints(TRANSFER_FAIL, failure_settled=now.failure_settled(True))
+    assert get_into_outcome(TRANSFER_FAIL, 4096, failure_settled=True).outcome is Transfer.QUIET
+    assert taints(TRANSFER_FAIL, failure_settled=now.failure_settled(False))  # RDMA: posted reads may land
+    waited = CallStart(time.monotonic() - MOONCAKE_WAIT_S, time.time() - MOONCAKE_WAIT_S)
+    assert not waited.failure_settled(True)  # its wait ran out
+    jumped = CallStart(time.monotonic(), time.time() - MOONCAKE_WAIT_S)  # the wall clock leapt ahead
+    assert not jumped.failure_settled(True)
+    assert taints(TIMED_OUT, failure_settled=True)
+    assert batch_clean([100, TRANSFER_FAIL], failure_settled=True)
+    assert not batch_clean([100, TRANSFER_FAIL], failure_settled=False)

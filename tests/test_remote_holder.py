@@ -236,8 +236,11 @@ def test_a_thin_clients_pull_from_a_dead_holder_gives_its_buffer_back(
     try:
         wait_for((tmp_path / "published").exists, timeout=60, what="A's publish")
         holder_b = MooncakeHolder(shmcache_mooncake)
-        thin_b = dataclasses.replace(
-            thin_a, namespace=f"node-b-{uuid.uuid4().hex[:10]}", remote_holder=holder_b.address
+        thin_b = dataclasses.replace(  # a slow answer would be TIMED_OUT: lent, whatever it says
+            thin_a,
+            namespace=f"node-b-{uuid.uuid4().hex[:10]}",
+            remote_holder=holder_b.address,
+            remote_timeout_s=10.0,
         )
         holder_a.kill()
         try:
@@ -257,3 +260,39 @@ def test_a_thin_clients_pull_from_a_dead_holder_gives_its_buffer_back(
         if holder_b is not None:
             holder_b.kill()
         destroy_namespace(thin_a.namespace)
+
+
+class BatchAnswer:
+    """A real Mooncake client whose `batch_get_into` gives a set answer instead: an item that
+    failed mid-transfer next to one the master was gone for, which no outage produces on demand."""
+
+    def __init__(self, client: Any, answer: list[int]) -> None:
+        self._client, self._answer = client, answer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def batch_get_into(self, names: list[str], addresses: list[int], sizes: list[int]) -> list[int]:
+        return list(self._answer)
+
+
+def test_a_batch_pull_whose_answer_also_names_the_master_gone_keeps_its_buffer_lent(
+    shmcache_mooncake: MooncakeMaster, holder: MooncakeHolder
+) -> None:
+    """One item's transfer failed with an unexpected code (it may still write into its part of
+    the pull buffer), the other's master was gone: an outage begins, and the buffer stays lent
+    (the whole answer read as "master gone" handed it out again before)."""
+    config = CacheConfig(
+        remote_master=shmcache_mooncake.address, remote_holder=holder.address, remote_buffer_bytes=2 << 20
+    )
+    store = RemoteStore(config, lambda counter, n: None)
+    try:
+        staging = store.staging
+        assert staging is not None and staging.pooled
+        store._client = BatchAnswer(store._client, [-1, -900])
+        found, larger = store.fetch_many(["a", "b"], 4096)
+        assert found == [None, None] and larger == []
+        assert not store.available  # the outage began
+        assert staging.pull_buffer(4096) is None  # lent: a transfer may still write into it
+    finally:
+        store.close()

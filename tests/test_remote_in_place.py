@@ -362,7 +362,9 @@ def test_a_pull_from_a_publisher_that_died_gives_its_memory_back_at_once(
     B's detach before) and B computes. Three entries then fit in B's room for three."""
     config_a = remote_config(shmcache_namespace, shmcache_mooncake.address)
     nbytes = 2 * SIZE + 4096
-    config_b = dataclasses.replace(config_a, namespace=other_namespace, capacity_bytes=3 * nbytes)
+    config_b = dataclasses.replace(  # a slow answer would be TIMED_OUT: set aside, whatever it says
+        config_a, namespace=other_namespace, capacity_bytes=3 * nbytes, remote_timeout_s=10.0
+    )
     ctx = mp.get_context("spawn")
     ready, done = ctx.Event(), ctx.Event()
     proc = spawn(publisher, config_a, "gone", ready, done)

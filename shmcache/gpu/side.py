@@ -141,7 +141,8 @@ class DeviceSide:
 
     def settle(self) -> None:
         """Before released pins are dropped: wait for the kernels queued on every alias released
-        so far, then give their mappings back. Runs in the release thread (and `flush_releases`)."""
+        so far, then give their mappings back. Runs where pins are released: the release thread,
+        `flush_releases`, and an allocation or claim that found the node full (`release_now`)."""
         with self._settle_lock:
             released = []
             while True:

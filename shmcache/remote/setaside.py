@@ -2,10 +2,11 @@
 extents, from the `get_into` call until the memory is safe to free again.
 
 A transfer is *unread* from before its call until its answer is read (`start` ... `read`). One
-that failed or timed out may still write after the call returned, so its reservation is *set
-aside* (`NodeIndex.set_aside`: out of the index, its extent kept by one pin of ours) and freed when
-the call that outlived its wait answers that nothing writes there any more (the object arrived, or
-no transfer ran); else at the detach. Without a spare pin it stays reserved (ours) until close.
+that timed out, or failed in a way that may leave slices in flight (answers.py), may still write
+after the call returned, so its reservation is *set aside* (`NodeIndex.set_aside`: out of the
+index, its extent kept by one pin of ours) and freed when the call that outlived its wait answers
+that nothing writes there any more (the object arrived, or no transfer ran); else at the detach.
+Without a spare pin it stays reserved (ours) until close.
 An exception between the call and the reading of its answer (a KeyboardInterrupt) leaves the
 transfer unread, and the caller's exception path (`interrupted`) sets it aside before it may give
 the reservation back. `set_aside` records each step it took and leaves the unread list last, so a
@@ -84,8 +85,8 @@ class SetAside:
 
     def _transfer_ended(self, call: Future[Any], slot: int, gen: int) -> None:
         """A set-aside extent's late call returned: free it if nothing writes there any more (the
-        whole object arrived, or no transfer ran; a failed one may leave slices in flight: that
-        memory waits for the detach)."""
+        whole object arrived, or no transfer ran; a failed one may leave slices in flight, as
+        its answer came after we stopped waiting: that memory waits for the detach)."""
         with self._closing:
             if self._closed or not LateCall(call, nothing_in_flight).ended():
                 return

@@ -14,9 +14,10 @@ handed out) and given back only when its answer was read and says nothing writes
 (`give_back`). An interrupt anywhere in between leaves it lent. A lent buffer whose call outlived
 its wait comes back when that call answers that nothing writes there any more (the whole object
 arrived, or no transfer ran): the next pull takes it back (a thin client has one pull half: until
-then it pulls nothing, counted as remote errors). A transfer that failed while we waited leaves
-nothing writing on TCP (answers.py: Mooncake answered after every slice ended, as when the
-segment's holder is dead): its buffer is given back. One that failed otherwise may leave slices in
+then it pulls nothing, counted as remote errors). A transfer that failed on TCP and was answered
+while we waited, well before Mooncake's own wait ran out, leaves nothing writing (answers.py:
+Mooncake answered after every slice ended, as when the segment's holder is dead): its buffer is
+given back. One that failed otherwise may leave slices in
 flight: its buffer stays lent. So does one interrupted before its call started or after its answer
 came back but before it was read (no late call to wait for): a thin client then pulls no more
 until it restarts.

@@ -26,7 +26,6 @@ import logging
 import os
 import socket
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -45,11 +44,10 @@ from shmcache.remote.answers import (
     NOT_AVAILABLE,
     OBJECT_NOT_FOUND,
     TIMED_OUT,
-    TRANSFER_FAIL,
+    CallStart,
     Fetched,
     Transfer,
     batch_clean,
-    ended,
     get_into_outcome,
     nothing_in_flight,
     taints,
@@ -95,7 +93,7 @@ class RemoteStore:
         self._count, self._timeout = count, config.remote_timeout_s
         self._setup_args = (config.remote_protocol, config.remote_segment_bytes, config.remote_buffer_bytes)
         self._holder = config.remote_holder
-        self._tcp = config.remote_protocol == "tcp"  # (a thin client's holder moves its data over TCP)
+        self._tcp = config.remote_protocol == "tcp"  # a thin client's: its holder's transport
         self._client: Any = None
         self._stuck: list[Future[Any]] = []  # calls that outlived their wait: the client stays open
         self.staging: Staging | None = None
@@ -239,11 +237,11 @@ class RemoteStore:
     ) -> Fetched:
         """`get_into` of the stored bytes of `name` at `address` (registered memory, `room` bytes:
         the object's size or more); a call that outlived its wait is handed to `stuck` (TAINTED)."""
-        started = time.monotonic()
+        started = CallStart.now()
         rc = self._call("get_into", name, address, room, stuck=stuck)
-        fetched = get_into_outcome(rc, room, failure_ended=ended(self._tcp, time.monotonic() - started))
-        if rc == TRANSFER_FAIL or (fetched.outcome is Transfer.TAINTED and rc is not TIMED_OUT):
-            self._count(Counter.REMOTE_ERRORS, 1)
+        fetched = get_into_outcome(rc, room, failure_settled=started.failure_settled(self._tcp))
+        if rc is not TIMED_OUT and (fetched.outcome is Transfer.TAINTED or taints(rc)):
+            self._count(Counter.REMOTE_ERRORS, 1)  # a failed transfer, settled or not
         return fetched
 
     def put_bytes(self, name: str, data: bytes) -> bool:
@@ -280,11 +278,11 @@ class RemoteStore:
         addresses = [base + i * cap for i in range(len(names))]
         assert staging is not None
         loan = staging.lend(buffer, batch_clean)
-        started = time.monotonic()
+        started = CallStart.now()
         rcs = self._call("batch_get_into", names, addresses, [cap] * len(names), stuck=loan.calls.append)
-        failure_ended = ended(self._tcp, time.monotonic() - started)
+        failure_settled = started.failure_settled(self._tcp)
         if not isinstance(rcs, list):
-            if rcs is not TIMED_OUT:  # no transfer ran (closing)
+            if rcs is not TIMED_OUT:  # no transfer ran (no client, or closing)
                 staging.give_back(loan)
             return found, []
         larger = []
@@ -293,9 +291,9 @@ class RemoteStore:
                 found[i] = buffer[i * cap : i * cap + rc]
             elif rc == BUFFER_TOO_SMALL:
                 larger.append(i)
-            elif rc == TRANSFER_FAIL or taints(rc):
-                self._count(Counter.REMOTE_ERRORS, 1)
-        if batch_clean(rcs, failure_ended=failure_ended):
+            elif taints(rc):
+                self._count(Counter.REMOTE_ERRORS, 1)  # a failed transfer, settled or not
+        if batch_clean(rcs, failure_settled=failure_settled):
             staging.give_back(loan)  # else a failed transfer may still write into its part of it
         return found, larger
 
