@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import itertools
 import os
 import signal
 import time
@@ -21,6 +20,7 @@ import pytest
 
 from shmcache import CacheConfig, EmbeddingCache, destroy_namespace
 from shmcache.errors import InvalidConfig
+from shmcache.node.layout import Counter
 from shmcache.remote.store import RemoteStore
 from shmcache.testing import MooncakeHolder, MooncakeMaster
 from tests.helpers import InterruptAtLine, kill, spawn, wait_for
@@ -156,26 +156,37 @@ def test_an_interrupt_anywhere_after_a_timed_out_fetch_keeps_its_buffer_lent(
         remote_timeout_s=0.5,
         store_unavailable_mode="strict",
     )
-    store = RemoteStore(config, lambda counter, n: None)
+    counted: list[Counter] = []
+    store = RemoteStore(config, lambda counter, n: counted.append(counter))
     master = shmcache_mooncake.process.pid
     try:
         staging = store.staging
         assert staging is not None
-        for at in itertools.count():
+        at = answered_in_time = 0
+        while True:
             interrupter = InterruptAtLine(at, {RemoteStore.fetch.__code__: "fetched"})
             os.kill(master, signal.SIGSTOP)
             try:
                 fetched = np.empty(0)
                 with interrupter.tracing(), contextlib.suppress(KeyboardInterrupt):
                     fetched = store.fetch(f"absent-{uuid.uuid4().hex}", 4096)
-                if not interrupter.fired:  # past the answer's reading: a miss
+                outlived = not store.available  # the call outlived its wait: an outage began
+                if outlived and not interrupter.fired:  # past the answer's reading: a miss
                     assert fetched is None and at >= 1, at
                     break
-                assert staging.pull_buffer(4096) is None, f"interrupted at line {at}: the buffer was lent out"
+                if outlived:
+                    assert staging.pull_buffer(4096) is None, (
+                        f"interrupted at line {at}: the buffer was lent out"
+                    )
             finally:
                 os.kill(master, signal.SIGCONT)
             wait_for(lambda: store.available, timeout=30, what="the master to be seen again")
             wait_for(lambda: staging.pull_buffer(4096) is not None, timeout=60, what="the late call's answer")
+            if outlived:
+                at += 1
+            else:  # answered in time though the master was stopped (seen once in CI): not this case
+                answered_in_time += 1
+                assert answered_in_time <= 3, f"fetches answered in time with the master stopped: {counted}"
     finally:
         store.close()
 
