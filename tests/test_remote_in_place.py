@@ -43,30 +43,40 @@ def publisher(config: CacheConfig, name: str, ready: Any, done: Any) -> None:
 
 
 @contextlib.contextmanager
-def stopped_publisher(master: str, node_a: str, node_b: str) -> Iterator[tuple[CacheConfig, int]]:
-    """Node A publishes "shared" (4 MiB) and is SIGSTOPped: its segment serves nothing, so a pull
-    of it hangs mid-transfer. Yields (node B's config, room for 3 entries and a 1 s remote
-    timeout; node A's pid, to SIGCONT it); node A is resumed and stopped afterwards."""
+def published(
+    master: str, node_a: str, node_b: str, name: str, remote_timeout_s: float
+) -> Iterator[tuple[CacheConfig, mp.process.BaseProcess]]:
+    """Node A publishes `name` (4 MiB) and stays. Yields (node B's config: room for 3 entries and
+    `remote_timeout_s`; node A's process); node A is resumed and stopped afterwards."""
     config_a = remote_config(node_a, master)
     nbytes = 2 * SIZE + 4096  # an entry of SIZE bf16 elements, with its header
     config_b = dataclasses.replace(
-        config_a, namespace=node_b, capacity_bytes=3 * nbytes, remote_timeout_s=1.0
+        config_a, namespace=node_b, capacity_bytes=3 * nbytes, remote_timeout_s=remote_timeout_s
     )
     ctx = mp.get_context("spawn")
     ready, done = ctx.Event(), ctx.Event()
-    proc = spawn(publisher, config_a, "shared", ready, done)
+    proc = spawn(publisher, config_a, name, ready, done)
     try:
         assert ready.wait(60), "node A did not publish"
-        assert proc.pid is not None
-        os.kill(proc.pid, signal.SIGSTOP)
-        yield config_b, proc.pid
+        yield config_b, proc
     finally:
-        if proc.pid is not None:
+        if proc.is_alive() and proc.pid is not None:
             os.kill(proc.pid, signal.SIGCONT)  # first: a stopped process would hold up `done.set()`
         done.set()
         proc.join(30)
         if proc.is_alive():
             kill(proc)
+
+
+@contextlib.contextmanager
+def stopped_publisher(master: str, node_a: str, node_b: str) -> Iterator[tuple[CacheConfig, int]]:
+    """Node A publishes "shared" (4 MiB) and is SIGSTOPped: its segment serves nothing, so a pull
+    of it hangs mid-transfer. Yields (node B's config, room for 3 entries and a 1 s remote
+    timeout; node A's pid, to SIGCONT it)."""
+    with published(master, node_a, node_b, "shared", remote_timeout_s=1.0) as (config_b, proc):
+        assert proc.pid is not None
+        os.kill(proc.pid, signal.SIGSTOP)
+        yield config_b, proc.pid
 
 
 def test_a_pull_lands_in_node_memory_without_a_staging_copy(
@@ -360,24 +370,15 @@ def test_a_pull_from_a_publisher_that_died_gives_its_memory_back_at_once(
     Node B's pull cannot reach A's segment: Mooncake answers TRANSFER_FAIL at once, after every
     slice ended (none started), so the extent goes back to the arena (it was set aside until
     B's detach before) and B computes. Three entries then fit in B's room for three."""
-    config_a = remote_config(shmcache_namespace, shmcache_mooncake.address)
-    nbytes = 2 * SIZE + 4096
-    config_b = dataclasses.replace(  # a slow answer would be TIMED_OUT: set aside, whatever it says
-        config_a, namespace=other_namespace, capacity_bytes=3 * nbytes, remote_timeout_s=10.0
-    )
-    ctx = mp.get_context("spawn")
-    ready, done = ctx.Event(), ctx.Event()
-    proc = spawn(publisher, config_a, "gone", ready, done)
-    try:
-        assert ready.wait(60), "node A did not publish"
-    finally:
-        kill(proc)
-    with EmbeddingCache(config_b) as b:
-        value = b.get_or_compute(key_of("gone"), lambda: expected_value("gone", SIZE))
-        assert fingerprint(value) == fingerprint(expected_value("gone", SIZE))
-        stats = b.stats()
-        assert (stats["computes"], stats["hits_remote"], stats["remote_set_aside"]) == (1, 0, 0), stats
-        assert stats["remote_errors"] >= 1 and stats["stale"] == 0
-        held = [b.get_or_compute(key_of(n), lambda n=n: expected_value(n, SIZE)) for n in "xy"]
-        assert b.stats()["uncacheable"] == 0
-        del value, held
+    master, a_ns, b_ns = shmcache_mooncake.address, shmcache_namespace, other_namespace
+    with published(master, a_ns, b_ns, "gone", remote_timeout_s=10.0) as (config_b, a):  # 10 s: a
+        kill(a)  # slow answer would be TIMED_OUT, and its memory set aside whatever it said
+        with EmbeddingCache(config_b) as b:
+            value = b.get_or_compute(key_of("gone"), lambda: expected_value("gone", SIZE))
+            assert fingerprint(value) == fingerprint(expected_value("gone", SIZE))
+            stats = b.stats()
+            assert (stats["computes"], stats["hits_remote"], stats["remote_set_aside"]) == (1, 0, 0), stats
+            assert stats["remote_errors"] >= 1 and stats["stale"] == 0
+            held = [b.get_or_compute(key_of(n), lambda n=n: expected_value(n, SIZE)) for n in "xy"]
+            assert b.stats()["uncacheable"] == 0
+            del value, held
