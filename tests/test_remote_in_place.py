@@ -60,10 +60,10 @@ def published(
         assert ready.wait(60), "node A did not publish"
         yield config_b, proc
     finally:
-        if proc.is_alive() and proc.pid is not None:
+        if proc.is_alive() and proc.pid is not None:  # (a killed waiter would hang `done.set()`)
             os.kill(proc.pid, signal.SIGCONT)  # first: a stopped process would hold up `done.set()`
-        done.set()
-        proc.join(30)
+            done.set()
+            proc.join(30)
         if proc.is_alive():
             kill(proc)
 
