@@ -5,10 +5,13 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
+from typing import Any
 
+import numpy as np
 import pytest
 
 from shmcache import CacheConfig, EmbeddingCache
+from shmcache.node.layout import Counter
 from shmcache.remote.answers import (
     MOONCAKE_WAIT_S,
     TIMED_OUT,
@@ -144,3 +147,38 @@ def test_a_failed_transfer_frees_its_memory_only_when_every_slice_ended() -> Non
     assert taints(TIMED_OUT, failure_settled=True)
     assert batch_clean([100, TRANSFER_FAIL], failure_settled=True)
     assert not batch_clean([100, TRANSFER_FAIL], failure_settled=False)
+
+
+class RaisingGetInto:
+    """A real Mooncake client whose `get_into` raises instead of answering a code."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def get_into(self, name: str, address: int, size: int) -> int:
+        raise RuntimeError("get_into raised")
+
+
+def test_a_transfer_call_that_raised_leaves_its_memory_tainted(shmcache_mooncake: MooncakeMaster) -> None:
+    """What a call that raised did to its memory is unknown: it is treated as a failed transfer
+    (set aside), counted and warned, and no outage begins (it read as "no transfer ran" before)."""
+    counted: list[Counter] = []
+    config = CacheConfig(
+        remote_master=shmcache_mooncake.address,
+        remote_segment_bytes=16 << 20,
+        remote_buffer_bytes=16 << 20,
+        store_unavailable_mode="strict",
+    )
+    store = RemoteStore(config, lambda counter, n: counted.append(counter))
+    try:
+        memory = np.zeros(4096, dtype=np.uint8)
+        store.register(int(memory.ctypes.data), memory.nbytes)
+        store._client = RaisingGetInto(store._client)
+        fetched = store.fetch_into("absent", int(memory.ctypes.data), memory.nbytes)
+        assert fetched.outcome is Transfer.TAINTED
+        assert counted == [Counter.REMOTE_ERRORS] and store.available
+    finally:
+        store.close()

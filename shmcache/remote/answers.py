@@ -23,6 +23,7 @@ __all__ = [
     "MOONCAKE_WAIT_S",
     "NOT_AVAILABLE",
     "OBJECT_NOT_FOUND",
+    "RAISED",
     "SETTLED_WITHIN_S",
     "TIMED_OUT",
     "TRANSFER_FAIL",
@@ -43,6 +44,7 @@ OBJECT_NOT_FOUND = -704
 BUFFER_TOO_SMALL = -600
 TRANSFER_FAIL = -800  # also what Mooncake answers when it gave up waiting (60 s) on slices in flight
 TIMED_OUT: Any = object()  # `_call`'s answer when Mooncake did not answer within remote_timeout_s
+RAISED: Any = object()  # `_call`'s answer when the call raised: what it did to its memory is unknown
 MOONCAKE_WAIT_S = 60.0  # Mooncake's wait for a transfer's slices before it gives up on them
 SETTLED_WITHIN_S = MOONCAKE_WAIT_S - 5.0  # a TRANSFER_FAIL answered sooner came before that wait
 # ran out (with room for its millisecond clock)
@@ -114,10 +116,10 @@ def batch_clean(rcs: Any, *, failure_settled: bool = False) -> bool:
 
 def taints(rc: Any, *, failure_settled: bool = False) -> bool:
     """Whether a failed `get_into` answer may leave a transfer writing into its memory: a call we
-    stopped waiting for, a failed transfer (unless `failure_settled`: see the module docstring), or
-    an unexpected code. BUFFER_TOO_SMALL is answered before any transfer starts (checked: the
-    memory given stays as it was)."""
-    if rc is TIMED_OUT:
+    stopped waiting for or that raised, a failed transfer (unless `failure_settled`: see the
+    module docstring), or an unexpected code. BUFFER_TOO_SMALL is answered before any transfer
+    starts (checked: the memory given stays as it was)."""
+    if rc is TIMED_OUT or rc is RAISED:
         return True
     if rc == TRANSFER_FAIL:
         return not failure_settled

@@ -27,7 +27,7 @@ import os
 import socket
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait as futures_wait
 from typing import Any
@@ -43,6 +43,7 @@ from shmcache.remote.answers import (
     MASTER_GONE,
     NOT_AVAILABLE,
     OBJECT_NOT_FOUND,
+    RAISED,
     TIMED_OUT,
     CallStart,
     Fetched,
@@ -61,6 +62,7 @@ log = logging.getLogger("shmcache")
 
 _PROBE_BUFFER = 1 << 20  # a thin client's local buffer: the recovery probe's 1-byte put
 _TOO_LARGE = 1  # not a Mooncake code: a value larger than the thin client's publish buffer
+Stuck = Callable[[Future[Any]], None] | None  # told of a call that outlived its wait
 PROBE_KEY = "shmcache@probe"  # the recovery probe's 1-byte value (first writer wins: never rewritten)
 
 
@@ -92,8 +94,7 @@ class RemoteStore:
         self.master = master = config.remote_master
         self._count, self._timeout = count, config.remote_timeout_s
         self._setup_args = (config.remote_protocol, config.remote_segment_bytes, config.remote_buffer_bytes)
-        self._holder = config.remote_holder
-        self._tcp = config.remote_protocol == "tcp"  # a thin client's: its holder's transport
+        self._holder, self._tcp = config.remote_holder, config.remote_protocol == "tcp"  # config.py
         self._client: Any = None
         self._stuck: list[Future[Any]] = []  # calls that outlived their wait: the client stays open
         self.staging: Staging | None = None
@@ -150,28 +151,34 @@ class RemoteStore:
     def available(self) -> bool:
         return self.health.up and self._client is not None
 
-    def _call(self, method: str, *args: Any, stuck: Callable[[Future[Any]], None] | None = None) -> Any:
+    def _call(self, method: str, *args: Any, stuck: Stuck = None) -> Any:
         """`client.method(*args)` (a return code, or a list of them), waiting at most `timeout_s`.
         An outage begins when the master is gone (None; a batch's list is kept: its other items
         may have transferred, or failed mid-transfer) or does not answer in time (`TIMED_OUT`:
         the call goes on in its thread and may still write into the memory it was given; its
-        future is handed to `stuck`, as it is when the wait is interrupted: `close` waits for it)."""
+        future is handed to `stuck`, as it is when the wait is interrupted: `close` waits for it).
+        A call that raised answers `RAISED` (counted, warned); one cancelled by `close`, None."""
         client = self._client
         if client is None:
             return None
-        future: Future[Any] | None = None
         try:
             future = self._calls.submit(getattr(client, method), *args)
+        except RuntimeError:  # the executor is shut down: closing
+            return None
+        try:
             result = future.result(self._timeout)
         except FutureTimeout:
-            assert future is not None
             self._outlived(future, stuck)
             self.health.down(f"no answer from Mooncake master {self.master} in {self._timeout} s")
             return TIMED_OUT
-        except RuntimeError:  # the executor is shut down: closing
+        except CancelledError:  # by `close` before it ran
             return None
+        except Exception as exc:  # the call itself raised
+            self._count(Counter.REMOTE_ERRORS, 1)
+            log.warning("shmcache: Mooncake's %s raised %s: %s", method, type(exc).__name__, str(exc))
+            return RAISED
         except BaseException:  # a KeyboardInterrupt while it waits: the call goes on
-            if future is not None and not future.done():
+            if not future.done():
                 self._outlived(future, stuck)
             raise
         batch = isinstance(result, list)
@@ -181,7 +188,7 @@ class RemoteStore:
             return result if batch else None  # each item's code still says what its transfer did
         return result
 
-    def _outlived(self, call: Future[Any], stuck: Callable[[Future[Any]], None] | None) -> None:
+    def _outlived(self, call: Future[Any], stuck: Stuck) -> None:
         """`call` runs on after we stopped waiting: `close` waits for it, and `stuck` is told."""
         self._stuck.append(call)
         if stuck is not None:
@@ -232,15 +239,13 @@ class RemoteStore:
             start <= address and address + nbytes <= start + length for start, length in self._registered
         )
 
-    def fetch_into(
-        self, name: str, address: int, room: int, stuck: Callable[[Future[Any]], None] | None = None
-    ) -> Fetched:
+    def fetch_into(self, name: str, address: int, room: int, stuck: Stuck = None) -> Fetched:
         """`get_into` of the stored bytes of `name` at `address` (registered memory, `room` bytes:
         the object's size or more); a call that outlived its wait is handed to `stuck` (TAINTED)."""
         started = CallStart.now()
         rc = self._call("get_into", name, address, room, stuck=stuck)
         fetched = get_into_outcome(rc, room, failure_settled=started.failure_settled(self._tcp))
-        if rc is not TIMED_OUT and (fetched.outcome is Transfer.TAINTED or taints(rc)):
+        if isinstance(rc, int) and (fetched.outcome is Transfer.TAINTED or taints(rc)):
             self._count(Counter.REMOTE_ERRORS, 1)  # a failed transfer, settled or not
         return fetched
 
@@ -282,7 +287,7 @@ class RemoteStore:
         rcs = self._call("batch_get_into", names, addresses, [cap] * len(names), stuck=loan.calls.append)
         failure_settled = started.failure_settled(self._tcp)
         if not isinstance(rcs, list):
-            if rcs is not TIMED_OUT:  # no transfer ran (no client, or closing)
+            if not taints(rcs):  # no transfer ran (no client, or closing)
                 staging.give_back(loan)
             return found, []
         larger = []
