@@ -64,7 +64,7 @@ class CacheConfig:
     max_pins_per_process: int = 4096
     mode: int = 0o600
     remote_master: str | None = None
-    remote_protocol: str = "tcp"  # our transfers' transport; a thin client names its holder's
+    remote_protocol: Literal["tcp", "rdma"] = "tcp"  # our transfers'; a thin client names its holder's
     remote_segment_bytes: int = 256 << 20
     remote_buffer_bytes: int = 64 << 20
     remote_key_prefix: str = "shmcache"
@@ -116,6 +116,7 @@ class CacheConfig:
         for name in ("remote_segment_bytes", "remote_buffer_bytes"):
             _require(0 <= getattr(self, name) <= MAX_REMOTE_BYTES, f"{name} must be in 0..256 TiB")
         _require("@" not in self.remote_key_prefix, "remote_key_prefix must not contain '@'")
+        _require(self.remote_protocol in ("tcp", "rdma"), "remote_protocol must be 'tcp' or 'rdma'")
         _require(_timeout_ok(self.remote_timeout_s), f"remote_timeout_s must be in (0, {MAX_TIMEOUT_S}]")
 
     @property

@@ -17,10 +17,9 @@ arrived, or no transfer ran): the next pull takes it back (a thin client has one
 then it pulls nothing, counted as remote errors). A transfer that failed on TCP and was answered
 while we waited, well before Mooncake's own wait ran out, leaves nothing writing (answers.py:
 Mooncake answered after every slice ended, as when the segment's holder is dead): its buffer is
-given back. One that failed otherwise may leave slices in
-flight: its buffer stays lent. So does one interrupted before its call started or after its answer
-came back but before it was read (no late call to wait for): a thin client then pulls no more
-until it restarts.
+given back. One that failed otherwise may leave slices in flight: its buffer stays lent. So does
+one interrupted before its call started or after its answer came back but before it was read (no
+late call to wait for): a thin client then pulls no more until it restarts.
 """
 
 from __future__ import annotations
