@@ -196,18 +196,25 @@ def test_a_views_mapping_reports_its_death_once_after_the_last_derived_array(tmp
     os.ftruncate(fd, 1 << 16)
     mapper = CowMapper(fd)
     calls: list[str] = []
-    view = mapper.view(5000, 1000)
-    mapper.on_death(view, calls.append, "released")
+    view, other, third = mapper.view(5000, 1000), *mapper.view_many([(0, 10), (20, 10)])
+    mapper.on_deaths([view], calls.append, ["released"])
+    with pytest.raises(RuntimeError, match="already"):  # all or nothing: `other` is not watched
+        mapper.on_deaths([other, view], calls.append, ["other", "twice"])
     with pytest.raises(RuntimeError, match="already"):
-        mapper.on_death(view, calls.append, "twice")
+        mapper.on_deaths([other, other], calls.append, ["other", "other again"])
+    with pytest.raises(TypeError):
+        mapper.on_deaths([third, np.zeros(4, dtype=np.uint8)], calls.append, ["third", "not a view"])
+    with pytest.raises(TypeError):
+        mapper.on_deaths([third], calls.append, [])
     derived = view[10:20]
-    del view
+    del view, other
     gc.collect()
-    assert calls == []  # a derived array still reads the mapping
+    assert calls == []  # a derived array still reads the mapping; `other` was never watched
     del derived
     assert calls == ["released"]
-    with pytest.raises(TypeError):
-        mapper.on_death(np.zeros(4, dtype=np.uint8), calls.append, "not a view")
+    mapper.on_deaths([third], calls.append, ["third"])
+    del third
+    assert calls == ["released", "third"]
     mapper.close()
 
 

@@ -1,7 +1,7 @@
 """Type stub of the copy-on-write mapping extension (mapping.c)."""
 
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from typing_extensions import Buffer
 
@@ -10,8 +10,6 @@ _T = TypeVar("_T")
 class Mapping:
     """Some bytes of a file mapped copy-on-write (a writable buffer); the mapping is unmapped when
     the last Mapping over it dies."""
-
-    def on_death(self, callback: Callable[[_T], object], arg: _T, /) -> None: ...
 
 class Pool:
     """The copy-on-write views of one file (not owning its descriptor); reset mappings of dead
@@ -22,6 +20,10 @@ class Pool:
     def map_many(self, offsets: list[int], sizes: list[int], /) -> list[Mapping]: ...
     def close(self) -> None: ...
     def idle(self) -> int: ...
+
+def on_deaths(views: list[Any], callback: Callable[[_T], object], args: list[_T], /) -> None:
+    """Call `callback(args[i])` once, right after the bytes under the numpy array `views[i]` (a
+    view of a Mapping) became unreachable; all or nothing (`TypeError`, `RuntimeError`)."""
 
 def copy_into(destination: Buffer, source: Buffer, /) -> None:
     """Copy the bytes of `source` to the start of the writable `destination` (from 2 MiB on x86-64

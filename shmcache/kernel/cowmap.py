@@ -73,18 +73,19 @@ class CowMapper:
 
     def view_many(self, extents: list[tuple[int, int]]) -> list[np.ndarray[Any, np.dtype[np.uint8]]]:
         """`view` of each (offset, size), in order, in one call: nearby extents share a mapping
-        (one system call per run of them); each array reports its own death to `on_death`."""
+        (one system call per run of them); each array reports its own death to `on_deaths`."""
         mappings = self._open().map_many([o for o, _ in extents], [n for _, n in extents])
         return [np.frombuffer(cast(bytes, mapping), dtype=np.uint8) for mapping in mappings]
 
     @staticmethod
-    def on_death(view: np.ndarray[Any, np.dtype[np.uint8]], callback: Callable[[T], object], arg: T) -> None:
-        """Call `callback(arg)` once, right after the bytes under `view` (made by `view()` or
-        `view_many()`) became unreachable: when `view` and everything derived from it are gone."""
-        mapping = view.base
-        if not isinstance(mapping, _mapping.Mapping):
-            raise TypeError("not a view made by CowMapper.view or view_many")
-        mapping.on_death(callback, arg)
+    def on_deaths(
+        views: list[np.ndarray[Any, np.dtype[np.uint8]]], callback: Callable[[T], object], args: list[T]
+    ) -> None:
+        """Call `callback(args[i])` once, right after the bytes under `views[i]` (made by `view()`
+        or `view_many()`) became unreachable: when it and everything derived from it are gone.
+        All or nothing: `TypeError` for anything but such views, `RuntimeError` for a view
+        watched already, and then none of them is watched."""
+        _mapping.on_deaths(views, callback, args)
 
     def idle(self) -> int:
         """How many reset mappings wait for reuse."""

@@ -172,26 +172,6 @@ static void Mapping_dealloc(Mapping *m) {
     Py_TYPE(m)->tp_free((PyObject *)m);
 }
 
-static PyObject *Mapping_set_on_death(Mapping *m, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2 || !PyCallable_Check(args[0])) {
-        PyErr_SetString(PyExc_TypeError, "on_death(callback, arg): callback must be callable");
-        return NULL;
-    }
-    if (m->on_death != NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "on_death was already set");
-        return NULL;
-    }
-    m->on_death = Py_NewRef(args[0]);
-    m->death_arg = Py_NewRef(args[1]);
-    Py_RETURN_NONE;
-}
-
-static PyMethodDef Mapping_methods[] = {
-    {"on_death", (PyCFunction)(void (*)(void))Mapping_set_on_death, METH_FASTCALL,
-     "on_death(callback, arg): call callback(arg) once, right after these bytes became unreachable."},
-    {NULL, NULL, 0, NULL},
-};
-
 static PyBufferProcs Mapping_as_buffer = {(getbufferproc)Mapping_getbuffer, NULL};
 
 static PyTypeObject MappingType = {
@@ -202,7 +182,6 @@ static PyTypeObject MappingType = {
     .tp_doc = "Some bytes of a copy-on-write mapping of a file, unmapped when its last user dies.",
     .tp_dealloc = (destructor)Mapping_dealloc,
     .tp_as_buffer = &Mapping_as_buffer,
-    .tp_methods = Mapping_methods,
 };
 
 /* A new Mapping over [data, data + size): the owner of `address`/`length`, or a window of `region`. */
@@ -441,6 +420,59 @@ static PyTypeObject PoolType = {
     .tp_methods = Pool_methods,
 };
 
+/* ------------------------------------------------------------- death of the views' bytes */
+static PyObject *BASE; /* "base": a numpy array's exporter of its bytes */
+
+/* The Mapping under the numpy array `view` (a new reference), or NULL with TypeError. */
+static Mapping *mapping_of(PyObject *view) {
+    PyObject *base = PyObject_GetAttr(view, BASE);
+    if (base == NULL || !PyObject_TypeCheck(base, &MappingType)) {
+        Py_XDECREF(base);
+        PyErr_Clear();
+        PyErr_SetString(PyExc_TypeError, "on_deaths: not a view made by CowMapper.view or view_many");
+        return NULL;
+    }
+    return (Mapping *)base;
+}
+
+/* on_deaths(views, callback, args): each view's mapping calls callback(args[i]) once, right after
+ * its bytes became unreachable. All or nothing: TypeError (not views, or lengths differ) or
+ * RuntimeError (a view already watched, in an earlier call or twice in this one) set none. */
+static PyObject *on_deaths(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyList_Check(args[0]) || !PyCallable_Check(args[1]) || !PyList_Check(args[2]) ||
+        PyList_GET_SIZE(args[0]) != PyList_GET_SIZE(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "on_deaths(views, callback, args): two lists of one length and a callable");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(args[0]), done = 0;
+    for (; done < n; done++) {
+        Mapping *m = mapping_of(PyList_GET_ITEM(args[0], done));
+        if (m == NULL) {
+            break;
+        }
+        int watched = m->on_death != NULL;
+        if (!watched) {
+            m->on_death = Py_NewRef(args[1]);
+            m->death_arg = Py_NewRef(PyList_GET_ITEM(args[2], done));
+        }
+        Py_DECREF(m); /* the view holds it */
+        if (watched) {
+            PyErr_SetString(PyExc_RuntimeError, "on_deaths: a view's death is already watched");
+            break;
+        }
+    }
+    if (done == n) {
+        Py_RETURN_NONE;
+    }
+    for (Py_ssize_t i = 0; i < done; i++) { /* undo: none of this call's watches stays */
+        Mapping *m = (Mapping *)PyObject_GetAttr(PyList_GET_ITEM(args[0], i), BASE);
+        Py_CLEAR(m->on_death);
+        Py_CLEAR(m->death_arg);
+        Py_DECREF(m);
+    }
+    return NULL;
+}
+
 /* ------------------------------------------------------------- copying into shared memory */
 /* A writer's copy into the arena: memory that was last written long ago (the arena is reused in
  * allocation order). From STREAM_MIN_BYTES on, on x86-64, it is copied with non-temporal stores,
@@ -512,6 +544,9 @@ static PyObject *copy_into(PyObject *Py_UNUSED(module), PyObject *const *args, P
 }
 
 static PyMethodDef mapping_methods[] = {
+    {"on_deaths", (PyCFunction)(void (*)(void))on_deaths, METH_FASTCALL,
+     "on_deaths(views, callback, args): each view's bytes call callback(args[i]) once, right after "
+     "they became unreachable (the view and every array derived from it gone); all or nothing."},
     {"copy_into", (PyCFunction)(void (*)(void))copy_into, METH_FASTCALL,
      "copy_into(destination, source): copy the bytes of `source` to the start of the writable "
      "`destination` (from 2 MiB on x86-64 they bypass the cache; the GIL released from 64 KiB)."},
@@ -527,7 +562,8 @@ PyMODINIT_FUNC PyInit__mapping(void) {
     if (PyType_Ready(&MappingType) < 0 || PyType_Ready(&PoolType) < 0) {
         return NULL;
     }
-    PyObject *errors = PyImport_ImportModule("shmcache.errors");
+    BASE = PyUnicode_InternFromString("base");
+    PyObject *errors = BASE == NULL ? NULL : PyImport_ImportModule("shmcache.errors");
     if (errors == NULL) {
         return NULL;
     }

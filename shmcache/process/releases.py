@@ -2,7 +2,7 @@
 
 Every zero-copy view derives from one holder array per mapping; when the holder dies its mapping
 is given back (reset, kept for reuse, or unmapped) and only enqueues its (slot, gen) and rings a
-bell (`CowMapper.on_death`: two `SimpleQueue.put`, safe in a deallocator). One daemon thread per
+bell (`CowMapper.on_deaths`: two `SimpleQueue.put`, safe in a deallocator). One daemon thread per
 cache wakes on the bell, pauses a few milliseconds so releases batch, waits for GPU work still
 reading released device aliases, then drops the pins in one node transaction. The pause holds no
 pin back: `release_now` (an allocation that found the arena full, a claim that found its stripe

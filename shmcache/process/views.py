@@ -52,10 +52,7 @@ def _weak(value: Value) -> weakref.ref[Any] | None:
 class _Mapping(NamedTuple):
     """This process's live zero-copy mapping of one entry (a NamedTuple: made on every delivery)."""
 
-    slot: int
-    gen: int
-    offset: int  # where the entry lies in the arena: with (slot, gen), the entry whose head was parsed
-    size: int
+    sealed: SealedEntry  # the entry whose head was parsed: (slot, gen) and where it lies in the arena
     holder: weakref.ref[np.ndarray]  # the entry's bytes; alive while any returned view is
     parsed: decode.ParsedValue
     template: weakref.ref[Any] | None  # a value returned earlier, aliased by repeat hits
@@ -194,9 +191,7 @@ class Views:
                 node.release([(slot, gen)])  # the pin only covered the copy
             return value
         record = GpuRecord.from_attachment(sealed.attachment) if aliased else None
-        mapping = _Mapping(
-            slot, gen, sealed.offset, sealed.size, weakref.ref(holder), parsed, _weak(value), record
-        )
+        mapping = _Mapping(sealed, weakref.ref(holder), parsed, _weak(value), record)
         kept.append(_Kept(needle, mapping, holder))
         return value
 
@@ -209,9 +204,12 @@ class Views:
             return
         watched = 0  # first the pins' safety: each holder is alive in `kept` until it is watched
         try:
-            for _, mapping, holder in kept:
-                self._arena.on_death(holder, self._releases.enqueue, (mapping.slot, mapping.gen))
-                watched += 1
+            self._arena.on_deaths(
+                [k.holder for k in kept],
+                self._releases.enqueue,
+                [(k.mapping.sealed.slot, k.mapping.sealed.gen) for k in kept],
+            )
+            watched = len(kept)
         finally:
             self._releases.opened(watched)
         with self._lock:
@@ -247,19 +245,11 @@ class Views:
 
     def _parsed_before(self, needle: bytes, sealed: SealedEntry) -> decode.ParsedValue | None:
         """The head this process checked and parsed when it last delivered `needle`, if that was
-        this very entry, (slot, gen) at the same extent: a sealed entry's bytes never change, and a
-        new reservation of the slot is a new generation (the extent is checked too, in case a
-        damaged record's repair ever handed a generation out twice)."""
+        this very entry, (slot, gen) at the same extent with the same attachment: a sealed entry's
+        bytes never change, and a new reservation of the slot is a new generation (the extent is
+        checked too, in case a damaged record's repair ever handed a generation out twice)."""
         before = self._local.get(needle)
-        if (
-            before is None
-            or before.slot != sealed.slot
-            or before.gen != sealed.gen
-            or before.offset != sealed.offset
-            or before.size != sealed.size
-        ):
-            return None
-        return before.parsed
+        return before.parsed if before is not None and before.sealed == sealed else None
 
     def _check_unmodified(self, needle: bytes, key: EmbeddingCacheKey, holder: np.ndarray) -> None:
         """(Debug mode) `ViewMutated` if a view this process was given of `key` was written to
@@ -279,7 +269,7 @@ class Views:
         holder = found.holder() if found is not None else None
         if found is None or holder is None:
             return None
-        node, slot, gen = self._node, found.slot, found.gen
+        node, slot, gen = self._node, found.sealed.slot, found.sealed.gen
         if not node.lookups.repeat_hit(slot, gen):
             return None
         template = found.template() if found.template is not None else None
