@@ -4,17 +4,22 @@ request's items (tests/test_vllm_engines.py runs whole engines)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
 pytest.importorskip("vllm", reason="the vllm extra is not installed")
 
+from vllm.config import ECTransferConfig, ModelConfig, VllmConfig
+from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 
 from shmcache import CacheConfig, EmbeddingCache
+from shmcache.integrations.vllm import ShmCacheECConnector
 from shmcache.integrations.vllm.scheduler import SchedulerSide
 from shmcache.integrations.vllm.settings import KeyMaker
 from shmcache.testing import sample_preprocessing
+from tests.vllm.model import build_tiny_llava
 from tests.workers import expected_value
 
 
@@ -61,3 +66,66 @@ def test_a_request_waiting_for_another_process_holds_nothing(config: CacheConfig
         assert cache.stats()["reserved"] == 1
         side.close()
         assert cache.stats()["reserved"] == 0
+
+
+def test_an_engine_that_does_not_store_reserves_nothing_and_still_loads_and_waits(
+    config: CacheConfig,
+) -> None:
+    """`ec_consumer`: its worker never stores, so a reservation taken for it would only make
+    other engines wait until its request finished (before the fix: "reserved" 1)."""
+    keys = KeyMaker(sample_preprocessing(), config)
+    with EmbeddingCache(config) as cache, EmbeddingCache(config) as other:
+        side = SchedulerSide(cache, keys, stores=False)
+        sealed = other.try_reserve(keys("sealed", "image"))
+        assert sealed is not None and sealed.owned
+        sealed.commit(expected_value("sealed"), view=False)
+        request = _request("r1", "sealed", "free")
+        assert side.ensure(request, 0)  # "free" is computed by this engine alone
+        assert cache.stats()["reserved"] == 0
+        assert side.has_item("sealed") and not side.has_item("free")  # vLLM asks, then allocates
+        side.after_alloc(request, 0)
+        side.after_alloc(request, 1)
+        step = side.build()
+        assert [item.identifier for item in step.loads] == ["sealed"]
+        assert [(item.identifier, item.ticket) for item in step.saves] == [("free", None)]
+        free = other.try_reserve(keys("free", "image"))  # another engine is not made to wait
+        assert free is not None and free.owned
+        assert not side.ensure(_request("r2", "free"), 0)  # and this one waits for it
+        assert cache.stats()["reserved"] == 1  # only the other engine's
+        free.abandon()
+        side.finished(request)
+        side.close()
+
+
+@pytest.fixture(scope="module")
+def model_config(tmp_path_factory: pytest.TempPathFactory) -> ModelConfig:
+    model = build_tiny_llava(tmp_path_factory.mktemp("tiny-llava") / "model")
+    return ModelConfig(model=str(model), max_model_len=128, dtype="float32", enforce_eager=True)
+
+
+@pytest.mark.parametrize(("role", "reserved"), [("ec_consumer", 0), ("ec_both", 1), ("ec_producer", 1)])
+def test_the_connector_reserves_only_for_an_engine_that_stores(
+    model_config: ModelConfig, namespace: str, role: str, reserved: int
+) -> None:
+    extra: dict[str, Any] = {
+        "enable_embedding_cache": True,
+        "namespace": namespace,
+        "capacity_bytes": 16 << 20,
+    }
+    transfer = ECTransferConfig(
+        ec_connector="ShmCacheECConnector",
+        ec_connector_module_path="shmcache.integrations.vllm",
+        ec_role=role,
+        ec_connector_extra_config=extra,
+    )
+    connector = ShmCacheECConnector(
+        VllmConfig(model_config=model_config, ec_transfer_config=transfer), ECConnectorRole.SCHEDULER
+    )
+    try:
+        request = _request("r1", "new")
+        assert connector.ensure_cache_available(request, 0)  # type: ignore[arg-type]
+        assert connector._cache.stats()["reserved"] == reserved
+        connector.request_finished(request)  # type: ignore[arg-type]
+        assert connector._cache.stats()["reserved"] == 0
+    finally:
+        connector.shutdown()

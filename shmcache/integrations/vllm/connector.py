@@ -48,7 +48,8 @@ class ShmCacheECConnector(ECConnectorBase):
         self.failures: Counter[str] = Counter()  # kind of failure -> how many times
         self._cache = EmbeddingCache(settings.cache)
         keys = KeyMaker(preprocessing_of(vllm_config, settings.key_salt), settings.cache)
-        self._scheduler = SchedulerSide(self._cache, keys) if role == ECConnectorRole.SCHEDULER else None
+        scheduler = role == ECConnectorRole.SCHEDULER
+        self._scheduler = SchedulerSide(self._cache, keys, stores=self.is_producer) if scheduler else None
         # loads go where the model runner keeps its encoder outputs: the engine's device (not
         # `ec_buffer_device`, which vLLM defaults to "cuda" for its own transfer buffers)
         device = vllm_config.device_config.device_type or "cpu"

@@ -8,6 +8,8 @@ Per step, for each request vLLM wants to schedule (`ensure_cache_available`):
   (the worker adopts it and commits its encoder output), and let go once adopted;
 - an item another process is computing defers the request (False) until it is sealed; a request
   that is deferred gives back the reservations it took, so two engines never wait on each other.
+An engine that does not store (`ec_consumer`) reserves nothing: it loads what is sealed (or pulled
+from the store), waits for what another process computes, and computes the rest for itself.
 """
 
 from __future__ import annotations
@@ -39,8 +41,8 @@ class _Step:
 class SchedulerSide:
     """Scheduler-side state of one engine's connector."""
 
-    def __init__(self, cache: EmbeddingCache, keys: KeyMaker) -> None:
-        self._cache, self._keys = cache, keys
+    def __init__(self, cache: EmbeddingCache, keys: KeyMaker, *, stores: bool = True) -> None:
+        self._cache, self._keys, self._stores = cache, keys, stores
         self._step = _Step()
         self._steps = 0
         self._reserved: dict[str, Reservation] = {}  # identifier -> ours, not yet handed over
@@ -72,7 +74,8 @@ class SchedulerSide:
         them. The node misses (each distinct item once) are claimed in one call, which with a
         remote store configured pulls those the store has (one batch; the item is then sealed on
         the node, and held for this step like a `has_item` answer) and takes the cross-node lease
-        of the rest."""
+        of the rest. An engine that does not store gives its claims straight back: it computes
+        those items alone, and nobody waits for it."""
         todo: dict[str, None] = {}  # the distinct items to claim, in order
         for feature in request.mm_features:
             if feature.mm_position.offset + feature.mm_position.length <= num_computed_tokens:
@@ -85,15 +88,18 @@ class SchedulerSide:
             return True
         claims = dict(zip(todo, self._cache.try_reserve_many([self.key(i) for i in todo]), strict=True))
         owned = {identifier: res for identifier, res in claims.items() if res is not None and res.owned}
-        if any(res is None for res in claims.values()):  # another computes one: wait, holding nothing
+        deferred = any(res is None for res in claims.values())  # another computes one: wait for it
+        if deferred or not self._stores:  # holding nothing; an engine that does not store computes alone
             for mine in owned.values():
                 mine.withdraw()
+            owned = {}
+        if deferred:
             return False
         for identifier, mine in owned.items():
             self._reserved[identifier] = mine
             self._owners[identifier] = request.request_id
-        for identifier in claims:
-            if identifier not in owned:  # pulled from the store: held until this step's loads are planned
+        for identifier, res in claims.items():
+            if res is not None and not res.owned:  # pulled: held until this step's loads are planned
                 self.has_item(identifier)
         return True
 
