@@ -1,5 +1,6 @@
 """The one thing setup.cfg cannot declare: the C extensions (shmcache/node/native.c, the node
-layer's hot transactions; shmcache/kernel/mapping.c, copy-on-write views).
+layer's hot transactions; shmcache/kernel/mapping.c, copy-on-write views; shmcache/keys/native.c,
+key construction).
 
 Metadata, dependencies and entry points live in setup.cfg; tool settings in pyproject.toml.
 There is no pure-Python fallback: without a C compiler (and zlib's header) the install fails here,

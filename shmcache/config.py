@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import math
 import re
 from collections.abc import Mapping
@@ -71,6 +72,7 @@ class CacheConfig:
     remote_publish_queue: int = 64
     remote_timeout_s: float = 2.0
     remote_holder: str | None = None
+    remote_local_host: str = "127.0.0.1"  # where other nodes reach our segment: the node's IPv4 address
     remote_single_flight: bool = True
     store_unavailable_mode: Literal["degrade", "strict"] = "degrade"
     gpu_reads: Literal["auto", "host"] = "auto"
@@ -117,6 +119,7 @@ class CacheConfig:
             _require(0 <= getattr(self, name) <= MAX_REMOTE_BYTES, f"{name} must be in 0..256 TiB")
         _require("@" not in self.remote_key_prefix, "remote_key_prefix must not contain '@'")
         _require(self.remote_protocol in ("tcp", "rdma"), "remote_protocol must be 'tcp' or 'rdma'")
+        _require(_ipv4(self.remote_local_host), "remote_local_host must be an IPv4 address")
         _require(_timeout_ok(self.remote_timeout_s), f"remote_timeout_s must be in (0, {MAX_TIMEOUT_S}]")
 
     @property
@@ -143,6 +146,15 @@ class CacheConfig:
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise InvalidConfig(message)
+
+
+def _ipv4(text: str) -> bool:
+    """Whether `text` is an IPv4 address in dotted form."""
+    try:
+        ipaddress.IPv4Address(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _timeout_ok(value: float) -> bool:

@@ -37,6 +37,7 @@ def test_a_held_namespace_outlives_its_users_and_goes_with_the_holder(namespace:
     }
     fields |= {"ways": config.ways, "max_clients": config.max_clients}
     fields["max_pins_per_process"] = config.max_pins_per_process
+    fields["key_salt"] = "deployment-1"  # the connector's JSON as it is (before: refused, exit 2)
     ready = tmp_path / "ready"
     holder = _hold(fields, ready)
     try:

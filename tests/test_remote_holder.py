@@ -21,6 +21,8 @@ import pytest
 from shmcache import CacheConfig, EmbeddingCache, destroy_namespace
 from shmcache.errors import InvalidConfig
 from shmcache.node.layout import Counter
+from shmcache.remote.holder import holder_command
+from shmcache.remote.holder import main as remote_holder
 from shmcache.remote.store import RemoteStore
 from shmcache.testing import MooncakeHolder, MooncakeMaster
 from tests.helpers import InterruptAtLine, kill, spawn, wait_for
@@ -307,3 +309,13 @@ def test_a_batch_pull_whose_answer_also_names_the_master_gone_keeps_its_buffer_l
         assert staging.pull_buffer(4096) is None  # lent: a transfer may still write into it
     finally:
         store.close()
+
+
+def test_the_holder_advertises_its_segment_at_the_host_given(capsys: pytest.CaptureFixture[str]) -> None:
+    """Other nodes pull from the holder's segment at `--host` (127.0.0.1 by default: this host only);
+    no command is run here (these machines may only talk over 127.0.0.1)."""
+    assert "--host=127.0.0.1" in holder_command("127.0.0.1:50051")
+    assert "--host=10.0.0.7" in holder_command("10.0.0.9:50051", host="10.0.0.7")
+    with pytest.raises(SystemExit) as exited:
+        remote_holder(["--master", "127.0.0.1:50051", "--host", "node-a"])
+    assert exited.value.code == 2 and "not an IPv4 address: 'node-a'" in capsys.readouterr().err

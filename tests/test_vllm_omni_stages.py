@@ -87,6 +87,8 @@ def test_a_bad_block_is_a_typed_error_naming_the_stage_and_the_field(
     [
         {"ec_transfer_config": {"ec_connector": "ECExampleConnector"}},
         {"engine_args": {"ec_transfer_config": {"ec_connector": "ECExampleConnector"}}},
+        {"runtime": {"ec_transfer_config": {"ec_connector": "ECExampleConnector"}}},
+        {"engine_extras": {"ec_transfer_config": {"ec_connector": "ECExampleConnector"}}},
     ],
 )
 def test_a_stage_with_its_own_ec_config_and_the_block_is_refused(stage: dict[str, Any]) -> None:

@@ -1,6 +1,6 @@
 """Content-addressed cache keys.
 
-A key's digest is taken over framed input (see `shmcache.framing`): the key schema version, the hash
+A key's digest is taken over framed input (see `shmcache.keys.framing`): the key schema version, the hash
 algorithm, the namespace (raw bytes / decoded tensor / token prefix), the modality, every
 `EncoderPreprocessingConfig` field and the optional tenant salt (all of it memoised as the digest of
 that framed header), then the dtype and shape (tensors) or the parent (token prefixes), then the
@@ -281,7 +281,7 @@ class EmbeddingCacheKey:
 
     @property
     def kind(self) -> str:
-        """The namespace: "raw", "tensor" or "token_prefix" (already part of the digest)."""
+        """The namespace: "raw", "tensor", "token_prefix" or "external" (already part of the digest)."""
         return self._parts[3]
 
     def __setattr__(self, name: str, value: object) -> None:

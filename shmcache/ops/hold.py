@@ -6,10 +6,11 @@ kills, scale-downs) runs this as a small service, so their cache survives them::
 
     shmcache hold --config '{"namespace": "qwen-omni", "capacity_bytes": 4294967296}'
 
-`--config` takes the same fields as the vLLM connector's `ec_connector_extra_config` (the
-`CacheConfig` fields); the layout settings must match the engines' or attaching fails with
-`LayoutMismatch`. It runs until SIGTERM or SIGINT, then detaches (removing the namespace if no
-engine has it open). `--ready FILE` is created once the namespace is open (for scripts).
+`--config` takes the vLLM connector's `ec_connector_extra_config` as it is (the `CacheConfig`
+fields; `key_salt`, which only goes into keys, is read and not used); the layout settings must
+match the engines' or attaching fails with `LayoutMismatch`. It runs until SIGTERM or SIGINT, then
+detaches (removing the namespace if no engine has it open). `--ready FILE` is created once the
+namespace is open (for scripts).
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ import sys
 import threading
 from pathlib import Path
 
-from shmcache.config import CacheConfig
 from shmcache.errors import ShmCacheError
+from shmcache.integrations.vllm.settings import ConnectorSettings
 from shmcache.process.cache import EmbeddingCache
 
 __all__ = ["main"]
@@ -30,14 +31,13 @@ __all__ = ["main"]
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="shmcache hold", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default="{}", help="CacheConfig fields as JSON (enabled by default)")
+    parser.add_argument(
+        "--config", default="{}", help="the connector's ec_connector_extra_config JSON (enabled by default)"
+    )
     parser.add_argument("--ready", help="create this file once the namespace is open")
     args = parser.parse_args(argv)
     try:
-        fields = json.loads(args.config)
-        if isinstance(fields, dict):
-            fields.setdefault("enable_embedding_cache", True)
-        config = CacheConfig.from_stage_config(fields)
+        config = ConnectorSettings.from_extra_config(json.loads(args.config)).cache
     except (ValueError, TypeError) as exc:
         print(f"shmcache hold: bad --config: {exc}", file=sys.stderr)
         return 2

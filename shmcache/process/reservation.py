@@ -54,8 +54,10 @@ class Reservation:
 
     `value` is set on a hit. Otherwise the holder computes and calls `commit(value)` (which returns
     the cached view) or `abandon()`. As a context manager it abandons on an exception and on exit
-    without a commit. A reservation that could not be cached (value too large, no free slot)
-    has `cached=False`: `commit` then returns the value as given.
+    without a commit. A reservation that could not be cached (no slot free in its stripe) has
+    `cached=False`: `commit` then returns the value as given. An owned reservation's `commit`
+    of a value the cache cannot hold (larger than it, or all of it referenced) raises
+    `CapacityError`, and its waiters compute the value themselves.
     """
 
     def __init__(
@@ -89,7 +91,7 @@ class Reservation:
 
     def commit(self, value: Value, *, view: bool = True) -> Value:
         """Store `value`, wake every waiter, and return the cached view (or `value` itself when
-        uncached, or with `view=False`)."""
+        uncached, or with `view=False`); `CapacityError` if the cache cannot hold it."""
         if not self._open:
             raise ReservationLost(f"{self.key!r}: this reservation was already committed or abandoned")
         self._open = False

@@ -1,6 +1,6 @@
 """The request in scope: which request the encoder calls of this thread or task serve.
 
-Encoder call sites (`self.visual(pixel_values, grid_thw)`) have no request id in scope; the
+Encoder call sites (`self.visual(pixel_values, grid_thw=grid_thw)`) have no request id in scope; the
 stage that runs them does. It sets the request around its step (`with cache.request(rid):`),
 and the calls made inside take their references for that request (released by
 `cleanup_request(rid)` when the request ends). A contextvar: each thread and asyncio task sees

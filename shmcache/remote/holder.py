@@ -2,14 +2,17 @@
 node's segment and outlives the workers; workers attach to it as thin clients
 (`remote_holder="127.0.0.1:PORT"`), so what they publish stays in the store after they exit.
 
-    shmcache remote-holder --master 127.0.0.1:50051 [--port 50052] [--segment "4 GB"]
+    shmcache remote-holder --master 127.0.0.1:50051 [--port 50052] [--segment "4 GB"] [--host IP]
 
-runs it in the foreground, bound to 127.0.0.1 with P2PHANDSHAKE metadata (loopback only).
+runs it in the foreground with P2PHANDSHAKE metadata, its segment advertised at `--host` (127.0.0.1
+by default: reachable from this host only; a cluster gives each node's own address, as workers'
+`remote_local_host`).
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import shutil
 import sys
@@ -22,11 +25,22 @@ def _program() -> str:
     return found or os.path.join(os.path.dirname(sys.executable), "mooncake_client")
 
 
-def holder_command(master: str, *, port: int = 50052, segment: str = "4 GB", threads: int = 2) -> list[str]:
-    """The `mooncake_client` command line of a loopback-only holder of a `segment` sized segment."""
+def _ipv4(text: str) -> str:
+    """`text` if it is an IPv4 address (argparse's type check of --host)."""
+    try:
+        return str(ipaddress.IPv4Address(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an IPv4 address: {text!r}") from None
+
+
+def holder_command(
+    master: str, *, host: str = "127.0.0.1", port: int = 50052, segment: str = "4 GB", threads: int = 2
+) -> list[str]:
+    """The `mooncake_client` command line of a holder of a `segment` sized segment, advertised at
+    `host`."""
     return [
         _program(),
-        "--host=127.0.0.1",
+        f"--host={host}",
         f"--port={port}",
         "--metadata_server=P2PHANDSHAKE",
         f"--master_server_address={master}",
@@ -45,13 +59,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--master", required=True, help="the Mooncake master, HOST:PORT")
     parser.add_argument("--port", type=int, default=50052, help="the port workers attach to (remote_holder)")
     parser.add_argument("--segment", default="4 GB", help='the segment it mounts, e.g. "4 GB"')
+    parser.add_argument(
+        "--host", type=_ipv4, default="127.0.0.1", help="the node's IPv4 address other nodes pull from"
+    )
     args = parser.parse_args(argv)
-    command = holder_command(args.master, port=args.port, segment=args.segment)
+    command = holder_command(args.master, host=args.host, port=args.port, segment=args.segment)
     if not os.access(command[0], os.X_OK):
         print(
             "shmcache remote-holder: mooncake_client is not installed (pip install 'shmcache[mooncake]')",
             file=sys.stderr,
         )
         return 1
-    os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    os.environ.setdefault("MC_TCP_BIND_ADDRESS", args.host)
     os.execv(command[0], command)

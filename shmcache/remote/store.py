@@ -16,7 +16,9 @@ never waits longer than `remote_timeout_s`.
 
 Values in the store are exactly node entries (entry header + encoded value); every pull verifies
 magic, length and key digest, so a corrupt or foreign value is a counted miss, never data.
-Loopback only in tests: P2PHANDSHAKE metadata, `MC_TCP_BIND_ADDRESS=127.0.0.1`.
+Addresses: P2PHANDSHAKE metadata; this process's segment is advertised at `remote_local_host`
+(127.0.0.1 by default, so one host only: a cluster sets each node's own address), and Mooncake's TCP
+transport binds there too (`MC_TCP_BIND_ADDRESS`, unless the environment already sets it).
 """
 
 from __future__ import annotations
@@ -71,10 +73,10 @@ def remote_key(prefix: str, key: EmbeddingCacheKey) -> str:
     return f"{prefix}@v{KEY_SCHEMA_VERSION}@{key.algorithm}@{key.hex}"
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` right now."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
@@ -94,17 +96,17 @@ class RemoteStore:
         self.master = master = config.remote_master
         self._count, self._timeout = count, config.remote_timeout_s
         self._setup_args = (config.remote_protocol, config.remote_segment_bytes, config.remote_buffer_bytes)
-        self._holder, self._tcp = config.remote_holder, config.remote_protocol == "tcp"  # config.py
+        self._holder, self._host = config.remote_holder, config.remote_local_host
+        self._tcp = config.remote_protocol == "tcp"  # config.py
         self._client: Any = None
         self._stuck: list[Future[Any]] = []  # calls that outlived their wait: the client stays open
         self.staging: Staging | None = None
-        self._warned_full = False
-        self._registered: set[tuple[int, int]] = set()
+        self._warned_full, self._registered = False, set[tuple[int, int]]()
         self._slots = threading.BoundedSemaphore(config.remote_publish_queue)
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="shmcache-publish")
         self._calls = ThreadPoolExecutor(max_workers=4, thread_name_prefix="shmcache-remote")
         self.health = Health(master, self._answers, count)
-        os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+        os.environ.setdefault("MC_TCP_BIND_ADDRESS", config.remote_local_host)  # read once, as Mooncake loads
         why = self._connect()
         if why is not None:
             if config.store_unavailable_mode == "strict":
@@ -124,7 +126,7 @@ class RemoteStore:
             rc = client.setup_dummy(buffer_bytes, _PROBE_BUFFER, self._holder)
             target = f"the node's Mooncake client {self._holder}"
         else:
-            host = f"127.0.0.1:{free_port()}"
+            host = f"{self._host}:{free_port(self._host)}"
             rc = client.setup(host, "P2PHANDSHAKE", segment_bytes, buffer_bytes, protocol, "", self.master)
             target = f"Mooncake master {self.master}"
         if rc != 0 or (self._holder is None and client.health_check() != 0):  # a thin client has none

@@ -30,7 +30,7 @@ __all__ = ["BLOCK", "deploy_with_embedding_cache", "stage_with_embedding_cache"]
 
 BLOCK: Final = "embedding_cache"
 _SWITCH: Final = "enable_embedding_cache"
-_NESTED: Final = ("engine_args", "engine_extras")  # blocks vLLM-Omni merges into the engine args
+_NESTED: Final = ("engine_args", "runtime", "engine_extras")  # blocks vLLM-Omni merges into the engine args
 
 
 def stage_with_embedding_cache(stage: Mapping[str, Any]) -> dict[str, Any]:
