@@ -122,6 +122,7 @@ class InterruptAtLine:
 
     def __init__(self, at: int, after: Mapping[CodeType, str | None]) -> None:
         self.at, self.after, self.seen, self.fired = at, after, 0, False
+        self.line = 0  # the line it raised at
 
     @contextlib.contextmanager
     def tracing(self) -> Iterator[None]:
@@ -138,7 +139,7 @@ class InterruptAtLine:
         bound = self.after[frame.f_code]
         if event == "line" and not self.fired and (bound is None or bound in frame.f_locals):
             if self.seen == self.at:
-                self.fired = True
+                self.fired, self.line = True, frame.f_lineno
                 raise KeyboardInterrupt
             self.seen += 1
         return self._line

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import inspect
 import multiprocessing as mp
 import os
 from typing import Any
@@ -15,8 +16,9 @@ import pytest
 import torch
 
 from shmcache import CacheConfig, EmbeddingCache, EmbeddingCacheKey, ViewMutated
+from shmcache.process.views import Views
 from shmcache.testing import sample_preprocessing
-from tests.helpers import spawn, wait_for
+from tests.helpers import InterruptAtLine, spawn, wait_for
 
 ONES = torch.ones(4096, dtype=torch.float32)  # 16 KiB: several pages, so a write copies one of many
 
@@ -170,3 +172,44 @@ def test_get_many_maps_a_batch_once_and_each_view_stays_its_own(config: CacheCon
             float(i + 1) for i in range(16)
         ]
         assert cache.stats()["corrupt_records"] == 0
+
+
+def test_an_interrupt_while_views_are_recorded_leaks_no_pin_and_never_detaches_under_a_live_view(
+    config: CacheConfig,
+) -> None:
+    """A SIGINT between any two lines of `Views._keep` and `_watch` (from the line after `try:`,
+    the function's entry, where a signal leaks the batch's pins until detach; up to its lock: the
+    line events a block's exit reports there are not places a signal lands) leaves every view of
+    the batch watched and counted: once they are gone nothing is referenced, and a closed cache
+    still waits for a live view before it detaches. Before: an interrupt right after the native
+    call counted none of the watched views, so their deaths drove the count negative and `close`
+    detached at once (and one before it leaked their pins)."""
+    source, first = inspect.getsourcelines(Views._keep)
+    try_line = first + next(i for i, text in enumerate(source) if text.strip().startswith("try:"))
+    lock_line = first + next(i for i, text in enumerate(source) if "with self._lock:" in text)
+    traced = {Views._keep.__code__: None, Views._watch.__code__: None}
+    names = ["a", "b", "c"]
+    with EmbeddingCache(config) as keeper:
+        cache = EmbeddingCache(config)
+        for name in names:
+            cache.put(_key(name), torch.full((4096,), len(name), dtype=torch.uint8))
+        at = 1  # 0: the `try:` line
+        while True:
+            interrupter = InterruptAtLine(at, traced)
+            values = None
+            with pytest.raises(KeyboardInterrupt), interrupter.tracing():
+                values = cache.get_many([_key(name) for name in names])
+            assert interrupter.fired and interrupter.line != try_line, at
+            del values
+            gc.collect()
+            cache.flush_releases()
+            assert cache.stats()["references"] == 0, (at, interrupter.line)  # no pin left behind
+            if interrupter.line >= lock_line:
+                break
+            at += 1
+        live = cache.get(_key("a"))
+        cache.close()
+        assert keeper.stats()["clients"] == 2  # the closed cache waits for its live view
+        del live
+        gc.collect()
+        wait_for(lambda: keeper.stats()["clients"] == 1, what="the detach after the last view")

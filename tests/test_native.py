@@ -198,6 +198,7 @@ def test_a_views_mapping_reports_its_death_once_after_the_last_derived_array(tmp
     calls: list[str] = []
     view, other, third = mapper.view(5000, 1000), *mapper.view_many([(0, 10), (20, 10)])
     mapper.on_deaths([view], calls.append, ["released"])
+    assert mapper.watched() == 1 and mapper.is_watched(view) and not mapper.is_watched(other)
     with pytest.raises(RuntimeError, match="already"):  # all or nothing: `other` is not watched
         mapper.on_deaths([other, view], calls.append, ["other", "twice"])
     with pytest.raises(RuntimeError, match="already"):
@@ -206,6 +207,7 @@ def test_a_views_mapping_reports_its_death_once_after_the_last_derived_array(tmp
         mapper.on_deaths([third, np.zeros(4, dtype=np.uint8)], calls.append, ["third", "not a view"])
     with pytest.raises(TypeError):
         mapper.on_deaths([third], calls.append, [])
+    assert mapper.watched() == 1 and not mapper.is_watched(other) and not mapper.is_watched(third)
     derived = view[10:20]
     del view, other
     gc.collect()
@@ -214,7 +216,7 @@ def test_a_views_mapping_reports_its_death_once_after_the_last_derived_array(tmp
     assert calls == ["released"]
     mapper.on_deaths([third], calls.append, ["third"])
     del third
-    assert calls == ["released", "third"]
+    assert calls == ["released", "third"] and mapper.watched() == 2
     mapper.close()
 
 

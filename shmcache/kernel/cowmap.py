@@ -77,15 +77,23 @@ class CowMapper:
         mappings = self._open().map_many([o for o, _ in extents], [n for _, n in extents])
         return [np.frombuffer(cast(bytes, mapping), dtype=np.uint8) for mapping in mappings]
 
-    @staticmethod
     def on_deaths(
-        views: list[np.ndarray[Any, np.dtype[np.uint8]]], callback: Callable[[T], object], args: list[T]
+        self, views: list[np.ndarray[Any, np.dtype[np.uint8]]], callback: Callable[[T], object], args: list[T]
     ) -> None:
         """Call `callback(args[i])` once, right after the bytes under `views[i]` (made by `view()`
-        or `view_many()`) became unreachable: when it and everything derived from it are gone.
-        All or nothing: `TypeError` for anything but such views, `RuntimeError` for a view
-        watched already, and then none of them is watched."""
-        _mapping.on_deaths(views, callback, args)
+        or `view_many()`) became unreachable: when it and everything derived from it are gone;
+        `watched()` counts them in the same step. All or nothing: `TypeError` for anything but
+        such views, `RuntimeError` for a view watched already, and then none of them is watched."""
+        self._pool.on_deaths(views, callback, args)
+
+    def watched(self) -> int:
+        """How many views `on_deaths` has watched so far (counted as it watches them)."""
+        return self._pool.watched()
+
+    @staticmethod
+    def is_watched(view: np.ndarray[Any, np.dtype[np.uint8]]) -> bool:
+        """Whether `on_deaths` watches the death of the bytes under `view`."""
+        return _mapping.is_watched(view)
 
     def idle(self) -> int:
         """How many reset mappings wait for reuse."""

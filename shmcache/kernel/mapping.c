@@ -53,6 +53,7 @@ typedef struct {
     idle_t idle[IDLE_MAX]; /* oldest first */
     int n_idle;
     size_t idle_bytes;
+    unsigned long long watched; /* views whose death on_deaths watches, ever: counted as it watches */
 } Pool;
 
 /* Bytes of a private (copy-on-write) mapping of a file's pages, exported as a writable buffer.
@@ -396,12 +397,96 @@ static void Pool_dealloc(Pool *pool) {
     Py_TYPE(pool)->tp_free((PyObject *)pool);
 }
 
+/* ------------------------------------------------------------- death of the views' bytes */
+static PyObject *BASE; /* "base": a numpy array's exporter of its bytes */
+
+/* The Mapping under the numpy array `view` (a new reference), or NULL with TypeError (another
+ * error, a KeyboardInterrupt say, is left as it is). */
+static Mapping *mapping_of(PyObject *view) {
+    PyObject *base = PyObject_GetAttr(view, BASE);
+    if (base != NULL && PyObject_TypeCheck(base, &MappingType)) {
+        return (Mapping *)base;
+    }
+    if (base == NULL && !PyErr_ExceptionMatches(PyExc_AttributeError)) {
+        return NULL;
+    }
+    Py_XDECREF(base);
+    PyErr_Clear();
+    PyErr_SetString(PyExc_TypeError, "not a view made by CowMapper.view or view_many");
+    return NULL;
+}
+
+/* pool.on_deaths(views, callback, args): each view's mapping calls callback(args[i]) once, right
+ * after its bytes became unreachable, and `pool.watched()` counts them, in the same step (the GIL
+ * is held throughout: no Python code runs between the two, so no signal lands there). All or
+ * nothing: TypeError (not views, or lengths differ) or RuntimeError (a view already watched, in an
+ * earlier call or twice in this one) set and count none. */
+static PyObject *Pool_on_deaths(Pool *pool, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyList_Check(args[0]) || !PyCallable_Check(args[1]) || !PyList_Check(args[2]) ||
+        PyList_GET_SIZE(args[0]) != PyList_GET_SIZE(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "on_deaths(views, callback, args): two lists of one length and a callable");
+        return NULL;
+    }
+    PyObject *views = PySequence_Tuple(args[0]), *deaths = PySequence_Tuple(args[2]); /* ours: no list changes */
+    PyObject *set = views == NULL || deaths == NULL ? NULL : PyList_New(0); /* the mappings set so far */
+    int failed = set == NULL;
+    for (Py_ssize_t i = 0; !failed && i < PyTuple_GET_SIZE(views); i++) {
+        Mapping *m = mapping_of(PyTuple_GET_ITEM(views, i));
+        failed = m == NULL;
+        if (!failed && m->on_death != NULL) {
+            PyErr_SetString(PyExc_RuntimeError, "on_deaths: a view's death is already watched");
+            failed = 1;
+        } else if (!failed && PyList_Append(set, (PyObject *)m) == 0) {
+            m->on_death = Py_NewRef(args[1]);
+            m->death_arg = Py_NewRef(PyTuple_GET_ITEM(deaths, i));
+        } else {
+            failed = 1;
+        }
+        Py_XDECREF(m); /* the view (and `set`) hold it */
+    }
+    for (Py_ssize_t i = 0; failed && set != NULL && i < PyList_GET_SIZE(set); i++) { /* undo them all */
+        Mapping *m = (Mapping *)PyList_GET_ITEM(set, i);
+        Py_CLEAR(m->on_death);
+        Py_CLEAR(m->death_arg);
+    }
+    if (!failed) {
+        pool->watched += (unsigned long long)PyList_GET_SIZE(set);
+    }
+    Py_XDECREF(set);
+    Py_XDECREF(views);
+    Py_XDECREF(deaths);
+    if (failed) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *Pool_watched(Pool *pool, PyObject *Py_UNUSED(ignored)) {
+    return PyLong_FromUnsignedLongLong(pool->watched);
+}
+
+/* is_watched(view): whether the death of the view's mapping is watched (set by on_deaths). */
+static PyObject *is_watched(PyObject *Py_UNUSED(module), PyObject *view) {
+    Mapping *m = mapping_of(view);
+    if (m == NULL) {
+        return NULL;
+    }
+    PyObject *answer = PyBool_FromLong(m->on_death != NULL);
+    Py_DECREF(m);
+    return answer;
+}
+
 static PyMethodDef Pool_methods[] = {
     {"map", (PyCFunction)(void (*)(void))Pool_map, METH_FASTCALL,
      "map(offset, size): a Mapping of those bytes of the file (copy-on-write)."},
     {"map_many", (PyCFunction)(void (*)(void))Pool_map_many, METH_FASTCALL,
      "map_many(offsets, sizes): a Mapping per extent, in order; nearby extents share one "
      "copy-on-write mapping, unmapped when the last of them dies."},
+    {"on_deaths", (PyCFunction)(void (*)(void))Pool_on_deaths, METH_FASTCALL,
+     "on_deaths(views, callback, args): each view's bytes call callback(args[i]) once, right after "
+     "they became unreachable (the view and every array derived from it gone), counted in "
+     "watched(); all or nothing."},
+    {"watched", (PyCFunction)Pool_watched, METH_NOARGS, "watched(): how many views on_deaths has watched."},
     {"close", (PyCFunction)Pool_close, METH_NOARGS,
      "close(): unmap the idle mappings and make no more (views made earlier stay valid)."},
     {"idle", (PyCFunction)Pool_idle, METH_NOARGS, "idle(): how many reset mappings wait for reuse."},
@@ -419,59 +504,6 @@ static PyTypeObject PoolType = {
     .tp_dealloc = (destructor)Pool_dealloc,
     .tp_methods = Pool_methods,
 };
-
-/* ------------------------------------------------------------- death of the views' bytes */
-static PyObject *BASE; /* "base": a numpy array's exporter of its bytes */
-
-/* The Mapping under the numpy array `view` (a new reference), or NULL with TypeError. */
-static Mapping *mapping_of(PyObject *view) {
-    PyObject *base = PyObject_GetAttr(view, BASE);
-    if (base == NULL || !PyObject_TypeCheck(base, &MappingType)) {
-        Py_XDECREF(base);
-        PyErr_Clear();
-        PyErr_SetString(PyExc_TypeError, "on_deaths: not a view made by CowMapper.view or view_many");
-        return NULL;
-    }
-    return (Mapping *)base;
-}
-
-/* on_deaths(views, callback, args): each view's mapping calls callback(args[i]) once, right after
- * its bytes became unreachable. All or nothing: TypeError (not views, or lengths differ) or
- * RuntimeError (a view already watched, in an earlier call or twice in this one) set none. */
-static PyObject *on_deaths(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3 || !PyList_Check(args[0]) || !PyCallable_Check(args[1]) || !PyList_Check(args[2]) ||
-        PyList_GET_SIZE(args[0]) != PyList_GET_SIZE(args[2])) {
-        PyErr_SetString(PyExc_TypeError, "on_deaths(views, callback, args): two lists of one length and a callable");
-        return NULL;
-    }
-    Py_ssize_t n = PyList_GET_SIZE(args[0]), done = 0;
-    for (; done < n; done++) {
-        Mapping *m = mapping_of(PyList_GET_ITEM(args[0], done));
-        if (m == NULL) {
-            break;
-        }
-        int watched = m->on_death != NULL;
-        if (!watched) {
-            m->on_death = Py_NewRef(args[1]);
-            m->death_arg = Py_NewRef(PyList_GET_ITEM(args[2], done));
-        }
-        Py_DECREF(m); /* the view holds it */
-        if (watched) {
-            PyErr_SetString(PyExc_RuntimeError, "on_deaths: a view's death is already watched");
-            break;
-        }
-    }
-    if (done == n) {
-        Py_RETURN_NONE;
-    }
-    for (Py_ssize_t i = 0; i < done; i++) { /* undo: none of this call's watches stays */
-        Mapping *m = (Mapping *)PyObject_GetAttr(PyList_GET_ITEM(args[0], i), BASE);
-        Py_CLEAR(m->on_death);
-        Py_CLEAR(m->death_arg);
-        Py_DECREF(m);
-    }
-    return NULL;
-}
 
 /* ------------------------------------------------------------- copying into shared memory */
 /* A writer's copy into the arena: memory that was last written long ago (the arena is reused in
@@ -544,9 +576,8 @@ static PyObject *copy_into(PyObject *Py_UNUSED(module), PyObject *const *args, P
 }
 
 static PyMethodDef mapping_methods[] = {
-    {"on_deaths", (PyCFunction)(void (*)(void))on_deaths, METH_FASTCALL,
-     "on_deaths(views, callback, args): each view's bytes call callback(args[i]) once, right after "
-     "they became unreachable (the view and every array derived from it gone); all or nothing."},
+    {"is_watched", (PyCFunction)is_watched, METH_O,
+     "is_watched(view): whether a pool's on_deaths watches the death of the view's bytes."},
     {"copy_into", (PyCFunction)(void (*)(void))copy_into, METH_FASTCALL,
      "copy_into(destination, source): copy the bytes of `source` to the start of the writable "
      "`destination` (from 2 MiB on x86-64 they bypass the cache; the GIL released from 64 KiB)."},

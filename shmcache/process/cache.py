@@ -92,7 +92,7 @@ class EmbeddingCache:
         self._detach_lock = threading.RLock()
         self._detached = False
         self._requests = RequestRefs()
-        self._releases = Releases(node, self._device, on_idle=self._detach)
+        self._releases = Releases(node, self._device, self._detach, segments.arena_views.watched)
         node.reclaim = self._releases.release_now  # when full: our dead views' pins first
         self._views = Views(node, segments, config, self._device, self._requests, self._releases)
         self._claims = Claims(node, segments.arena, config, self._views, self._device, self._requests)

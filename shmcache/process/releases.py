@@ -40,24 +40,23 @@ def _drain(items: queue.SimpleQueue[Any]) -> list[Any]:
 
 
 class Releases:
-    """Counts this process's live views and releases their pins when they die."""
+    """Counts this process's live views and releases their pins when they die. A view is live from
+    the moment its death is watched (`watched()` counts it in the same native step, so no signal
+    can leave a watched view uncounted) until its pin is released here."""
 
-    def __init__(self, node: NodeIndex, device: DeviceSide, on_idle: Callable[[], None]) -> None:
-        self._node, self._device, self._on_idle = node, device, on_idle
+    def __init__(
+        self, node: NodeIndex, device: DeviceSide, on_idle: Callable[[], None], watched: Callable[[], int]
+    ) -> None:
+        self._node, self._device, self._on_idle, self._watched = node, device, on_idle, watched
         self._queue: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
         self._bell: queue.SimpleQueue[bool] = queue.SimpleQueue()  # True: a pin queued; False: stop
-        self._lock = threading.Lock()  # `_live`, `closing`
+        self._lock = threading.Lock()  # `_released`, `closing`
         self._releasing = threading.Lock()  # one batch at a time
         self._batches = 0  # batches released so far
-        self._live = 0
+        self._released = 0  # views whose pins were released
         self.closing = False  # once set, the last release calls `on_idle`
         self._thread = threading.Thread(target=self._run, name="shmcache-release", daemon=True)
         self._thread.start()
-
-    def opened(self, count: int) -> None:
-        """`count` more live mappings (each one's death will `enqueue` it)."""
-        with self._lock:
-            self._live += count
 
     def enqueue(self, pin: tuple[int, int]) -> None:
         """The death callback of a view's mapping: the mapping of (slot, gen) died."""
@@ -70,7 +69,7 @@ class Releases:
 
     def idle(self) -> bool:
         with self._lock:
-            return self._live == 0
+            return self._watched() == self._released
 
     def close(self) -> None:
         """From now on the release that leaves no live view calls `on_idle`."""
@@ -127,5 +126,5 @@ class Releases:
             log.debug("shmcache: releasing view pins failed: %s", str(exc))
         self._batches += 1
         with self._lock:
-            self._live -= len(pins)
-            return self.closing and self._live == 0
+            self._released += len(pins)
+            return self.closing and self._watched() == self._released

@@ -199,19 +199,14 @@ class Views:
         """Have each delivered view's death release its view pin (counted live until then), and
         remember its mapping as the newest of its needle. Past the bound, the oldest dead
         mappings go down to `REMEMBERED`, and the next sweep waits until twice as many are held
-        (each sweep is paid for by the deliveries since the last)."""
-        if not kept:
-            return
-        watched = 0  # first the pins' safety: each holder is alive in `kept` until it is watched
-        try:
-            self._arena.on_deaths(
-                [k.holder for k in kept],
-                self._releases.enqueue,
-                [(k.mapping.sealed.slot, k.mapping.sealed.gen) for k in kept],
-            )
-            watched = len(kept)
-        finally:
-            self._releases.opened(watched)
+        (each sweep is paid for by the deliveries since the last). A signal that lands before
+        the native watch leaves the rest to be watched here, one after it leaves nothing to do;
+        one on entry, before the first line, leaks the batch's pins until this process detaches."""
+        try:  # first the pins' safety: each holder is alive in `kept` until its death is watched
+            self._watch(kept)
+        except BaseException:
+            self._watch([k for k in kept if not self._arena.is_watched(k.holder)])
+            raise
         with self._lock:
             local = self._local
             for needle, mapping, _ in kept:
@@ -222,6 +217,14 @@ class Views:
                 for old in [n for n, m in local.items() if m.holder() is None][:excess]:
                     del local[old]
                 self._bound = max(REMEMBERED, 2 * len(local))
+
+    def _watch(self, kept: list[_Kept]) -> None:
+        """Have each holder's death enqueue the release of its view pin (counted live until then)."""
+        self._arena.on_deaths(
+            [k.holder for k in kept],
+            self._releases.enqueue,
+            [(k.mapping.sealed.slot, k.mapping.sealed.gen) for k in kept],
+        )
 
     def _build(
         self, key: EmbeddingCacheKey, needle: bytes, holder: np.ndarray, sealed: SealedEntry
