@@ -249,15 +249,27 @@ class NodeIndex:
     def release(self, pins: list[tuple[int, int]]) -> None:
         """Drop one pin per (slot, gen) listed, one native stripe section per stripe touched; an
         unreferenced STALE entry is freed right there. Stripes that need a repair (and damaged
-        records) are finished on the locked Python path."""
+        records) are finished on the locked Python path. If it raises (`LockTimeout`, a signal
+        while it waits), the exception's `unreleased` lists the pins it did not drop (each at
+        most once: release them later, never the others again)."""
         counts: dict[tuple[int, int], int] = {}
         for entry in pins:
             counts[entry] = counts.get(entry, 0) + 1
-        left = self.native.release(sorted((slot, gen, count) for (slot, gen), count in counts.items()))
-        for slot, gen, count in left:
-            with self.sections.stripe(slot // self.layout.ways):
-                if not self.native.unpin_in(slot, gen, count):  # our pins are off a damaged record
-                    self.repairs.quarantine(slot)
+        try:
+            left = self.native.release(sorted((slot, gen, count) for (slot, gen), count in counts.items()))
+        except BaseException as exc:
+            exc.unreleased = _each_pin(getattr(exc, "unreleased", []))  # type: ignore[attr-defined]
+            raise
+        tried = 0  # left[:tried] are dropped, or being dropped: a signal can leak them, never drop twice
+        try:
+            for slot, gen, count in left:
+                tried += 1
+                with self.sections.stripe(slot // self.layout.ways):
+                    if not self.native.unpin_in(slot, gen, count):  # our pins are off a damaged record
+                        self.repairs.quarantine(slot)
+        except BaseException as exc:
+            exc.unreleased = _each_pin(left[tried:])  # type: ignore[attr-defined]
+            raise
 
     def add_ref(self, slot: int, gen: int) -> bool:
         """One more pin on a sealed (slot, gen); False if it is no longer sealed there."""
@@ -318,3 +330,8 @@ class NodeIndex:
         """Raise `CorruptSegment` if the header lost its magic (overwritten index)."""
         if bytes(self._idx[: len(MAGIC)]) != MAGIC:
             raise CorruptSegment("index header magic was overwritten")
+
+
+def _each_pin(items: list[tuple[int, int, int]]) -> list[tuple[int, int]]:
+    """(slot, gen, count) items as one (slot, gen) per pin."""
+    return [(slot, gen) for slot, gen, count in items for _ in range(count)]

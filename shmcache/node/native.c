@@ -768,6 +768,18 @@ static PyObject *Index_lookup(Index *ix, PyObject *const *args, Py_ssize_t nargs
     return lookup_one(ix, needle, pins, counted);
 }
 
+/* Give the pending exception the attribute `name` = `value` (what the caller must still undo or
+ * redo), keeping the exception as it is; a failure to set it is dropped. */
+static void tag_error(const char *name, PyObject *value) {
+    PyObject *type, *exc, *tb;
+    PyErr_Fetch(&type, &exc, &tb);
+    PyErr_NormalizeException(&type, &exc, &tb);
+    if (exc != NULL && value != NULL && PyObject_SetAttrString(exc, name, value) < 0) {
+        PyErr_Clear();
+    }
+    PyErr_Restore(type, exc, tb);
+}
+
 static PyObject *Index_lookup_many(Index *ix, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3 || !PyList_Check(args[0])) {
         PyErr_SetString(PyExc_TypeError, "lookup_many(needles: list[bytes], pins, counted)");
@@ -804,14 +816,11 @@ static PyObject *Index_lookup_many(Index *ix, PyObject *const *args, Py_ssize_t 
              * through the exception's `answers` attribute) */
             PyObject *type, *value, *tb;
             PyErr_Fetch(&type, &value, &tb);
-            PyErr_NormalizeException(&type, &value, &tb);
             PyList_SetSlice(out, i, n, NULL);
-            if (value != NULL && PyObject_SetAttrString(value, "answers", out) < 0) {
-                PyErr_Clear();
-            }
+            PyErr_Restore(type, value, tb);
+            tag_error("answers", out);
             Py_DECREF(out);
             Py_DECREF(needles);
-            PyErr_Restore(type, value, tb);
             return NULL;
         }
         PyList_SET_ITEM(out, i, answer);
@@ -935,7 +944,10 @@ static int release_item(Index *ix, PyObject *item, Py_ssize_t *slot, uint64_t *g
 
 /* release(pins: list[(slot, gen, count)]) sorted by slot: drops them stripe by stripe; returns
  * the entries it could not finish natively (their stripe needs a repair, or a record is
- * damaged), for the locked Python path. */
+ * damaged), for the locked Python path. If it raises (a lock timeout, a signal while it waits),
+ * the exception's `unreleased` lists the items it did not drop, those returned so far included,
+ * so the caller can drop them later, never one twice ([] once this process detached: its pins
+ * went with its record). */
 static PyObject *Index_release(Index *ix, PyObject *arg) {
     if (!PyList_Check(arg) || check_bound(ix) < 0) {
         if (!PyErr_Occurred()) {
@@ -949,15 +961,15 @@ static PyObject *Index_release(Index *ix, PyObject *arg) {
         Py_XDECREF(pins);
         return NULL;
     }
-    Py_ssize_t n = PyTuple_GET_SIZE(pins), slot;
+    Py_ssize_t n = PyTuple_GET_SIZE(pins), slot, i = 0; /* pins[i:] and `left` are not dropped yet */
     uint64_t gen;
     uint32_t count_;
-    for (Py_ssize_t i = 0; i < n; i++) { /* every item is checked before anything is released */
-        if (release_item(ix, PyTuple_GET_ITEM(pins, i), &slot, &gen, &count_) < 0) {
+    int detached = 0;
+    for (Py_ssize_t k = 0; k < n; k++) { /* every item is checked before anything is released */
+        if (release_item(ix, PyTuple_GET_ITEM(pins, k), &slot, &gen, &count_) < 0) {
             goto error;
         }
     }
-    Py_ssize_t i = 0;
     while (i < n) {
         release_item(ix, PyTuple_GET_ITEM(pins, i), &slot, &gen, &count_);
         Py_ssize_t stripe = slot / ix->ways, end = i + 1; /* this stripe's run: [i, end) */
@@ -971,6 +983,7 @@ static PyObject *Index_release(Index *ix, PyObject *arg) {
         if (entered && ix->row < 0) { /* detached while we waited: our pins went with the record */
             leave_stripe(ix, stripe);
             PyErr_SetString(CacheClosed, "this process detached from the namespace");
+            detached = 1;
             goto error;
         }
         for (; i < end; i++) {
@@ -989,7 +1002,20 @@ static PyObject *Index_release(Index *ix, PyObject *arg) {
     }
     Py_DECREF(pins);
     return left;
-error:
+error:;
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyObject *rest = PyTuple_GetSlice(pins, i, n), *unreleased = PyList_New(0);
+    if (rest == NULL || unreleased == NULL ||
+        (!detached && (PyList_SetSlice(unreleased, 0, 0, left) < 0 ||
+                       PyList_SetSlice(unreleased, PY_SSIZE_T_MAX, PY_SSIZE_T_MAX, rest) < 0))) {
+        PyErr_Clear(); /* no list: the caller cannot tell, and drops none again (a leak, never twice) */
+        Py_CLEAR(unreleased);
+    }
+    PyErr_Restore(type, value, tb);
+    tag_error("unreleased", unreleased);
+    Py_XDECREF(unreleased);
+    Py_XDECREF(rest);
     Py_DECREF(pins);
     Py_DECREF(left);
     return NULL;

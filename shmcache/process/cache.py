@@ -272,14 +272,12 @@ class EmbeddingCache:
         return request_scope(request_id)
 
     def cleanup_request(self, request_id: RequestId) -> int:
-        """Release every reference taken for `request_id` in this process; returns how many."""
+        """Release every reference taken for `request_id` in this process; returns how many. On
+        `LockTimeout` (a stripe held too long) those not released stay: call it again."""
         if not self._enabled:
             return 0
         arguments.check_request(request_id)
-        node = self._index()
-        refs = self._requests.pop(request_id)
-        node.release(refs)
-        return len(refs)
+        return self._requests.release(request_id, self._index().release)
 
     def stats(self) -> dict[str, int]:
         """Node-wide counters (summed over every process) and current occupancy."""

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from shmcache.errors import LockTimeout
 from shmcache.gpu.side import DeviceSide
 from shmcache.node.index import NodeIndex
 
@@ -114,17 +115,32 @@ class Releases:
         return idle
 
     def _release(self, pins: list[tuple[int, int]]) -> bool:
-        """Unpin a batch of released views; True if no live view is left after `close`."""
+        """Unpin a batch of released views; True if no live view is left after `close`. The pins
+        it could not drop (a stripe held past the lock timeout; a signal in `flush` while it
+        waits) are queued again, each at most once: a later batch drops them."""
+        unreleased = pins
         try:
-            self._device.settle()  # kernels still reading released GPU aliases finish first
-        except Exception as exc:  # a broken CUDA context: its kernels will not run any more
-            log.warning("shmcache: waiting for GPU work on released views failed: %s", str(exc))
-        try:
+            try:
+                self._device.settle()  # kernels still reading released GPU aliases finish first
+            except Exception as exc:  # a broken CUDA context: its kernels will not run any more
+                log.warning("shmcache: waiting for GPU work on released views failed: %s", str(exc))
+            unreleased = []  # from here on an exception lists what it left (`NodeIndex.release`)
             self._node.release(pins)
             self._device.sweep()  # released entries may let exported device copies go
+        except LockTimeout as exc:  # a stopped or hung process holds a stripe: try again soon
+            unreleased = getattr(exc, "unreleased", [])
+            log.warning("shmcache: %d view pins wait for another try: %s", len(unreleased), str(exc))
+            self._bell.put(True)
         except Exception as exc:  # the namespace was destroyed under us, or similar
             log.debug("shmcache: releasing view pins failed: %s", str(exc))
-        self._batches += 1
-        with self._lock:
-            self._released += len(pins)
-            return self.closing and self._watched() == self._released
+        except BaseException as exc:
+            unreleased = getattr(exc, "unreleased", unreleased)
+            raise
+        finally:
+            for pin in unreleased:
+                self._queue.put(pin)
+            self._batches += 1
+            with self._lock:
+                self._released += len(pins) - len(unreleased)
+                idle = self.closing and self._watched() == self._released
+        return idle

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 from shmcache.process.reservation import RequestId
 
@@ -25,6 +26,20 @@ class RequestRefs:
         """Forget `request_id`; its references, for the caller to release."""
         with self._lock:
             return self._refs.pop(request_id, [])
+
+    def release(self, request_id: RequestId, release: Callable[[list[tuple[int, int]]], None]) -> int:
+        """`release` the references of `request_id` and forget them; how many. If it raises, the
+        references it lists as `unreleased` (`NodeIndex.release`) stay the request's."""
+        refs = self.pop(request_id)
+        try:
+            release(refs)
+        except BaseException as exc:
+            unreleased = getattr(exc, "unreleased", [])
+            if unreleased:
+                with self._lock:
+                    self._refs.setdefault(request_id, []).extend(unreleased)
+            raise
+        return len(refs)
 
     def ids(self) -> list[RequestId]:
         with self._lock:
