@@ -23,6 +23,7 @@ __all__ = [
     "MIN_PINS",
     "NAMESPACE_PATTERN",
     "CacheConfig",
+    "is_unicast_ipv4",
 ]
 
 # anchored at both ends (\A, \Z): "$" would also match before a trailing newline
@@ -35,6 +36,7 @@ MAX_CLIENTS = 1024
 MIN_PINS, MAX_PINS = 16, 65536
 MAX_TIMEOUT_S = 366 * 86400.0  # a year: larger waits overflow the kernel's and threading's timeouts
 MAX_REMOTE_BYTES = 1 << 48
+_BROADCAST = ipaddress.IPv4Address("255.255.255.255")
 
 
 @dataclass(frozen=True)
@@ -119,7 +121,7 @@ class CacheConfig:
             _require(0 <= getattr(self, name) <= MAX_REMOTE_BYTES, f"{name} must be in 0..256 TiB")
         _require("@" not in self.remote_key_prefix, "remote_key_prefix must not contain '@'")
         _require(self.remote_protocol in ("tcp", "rdma"), "remote_protocol must be 'tcp' or 'rdma'")
-        _require(_ipv4(self.remote_local_host), "remote_local_host must be an IPv4 address")
+        _require(is_unicast_ipv4(self.remote_local_host), "remote_local_host must be a unicast IPv4 address")
         _require(_timeout_ok(self.remote_timeout_s), f"remote_timeout_s must be in (0, {MAX_TIMEOUT_S}]")
 
     @property
@@ -148,13 +150,15 @@ def _require(condition: bool, message: str) -> None:
         raise InvalidConfig(message)
 
 
-def _ipv4(text: str) -> bool:
-    """Whether `text` is an IPv4 address in dotted form."""
+def is_unicast_ipv4(text: str) -> bool:
+    """Whether `text` is a unicast IPv4 address in dotted form (one a peer can connect to)."""
     try:
-        ipaddress.IPv4Address(text)
+        address = ipaddress.IPv4Address(text)
     except ValueError:
         return False
-    return True
+    return not (
+        address.is_unspecified or address.is_multicast or address == ipaddress.IPv4Address("255.255.255.255")
+    )
 
 
 def _timeout_ok(value: float) -> bool:

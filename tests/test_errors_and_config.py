@@ -54,6 +54,7 @@ def test_cache_config_defaults_are_a_pass_through() -> None:
         ("remote_protocol", "TCP", InvalidConfig),  # a thin client's failed TCP transfers free memory
         ("remote_local_host", "node-a", InvalidConfig),  # an address, as Mooncake binds to it
         ("remote_local_host", "10.0.0.7:15000", InvalidConfig),  # the port is picked per process
+        ("remote_local_host", "0.0.0.0", InvalidConfig),  # advertised to peers: no wildcard
         ("hash_algorithm", "md5", InvalidConfig),
         ("mode", 0o644 | 0o4000, InvalidConfig),
         ("mode", 0o400, InvalidConfig),

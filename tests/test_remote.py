@@ -5,12 +5,14 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
 from shmcache import CacheConfig, EmbeddingCache
+from shmcache.errors import RemoteUnavailable
 from shmcache.node.layout import Counter
 from shmcache.remote.answers import (
     MOONCAKE_WAIT_S,
@@ -24,7 +26,7 @@ from shmcache.remote.answers import (
 )
 from shmcache.remote.store import RemoteStore, remote_key
 from shmcache.testing import MooncakeMaster, ProcessPool
-from tests.helpers import wait_for
+from tests.helpers import spawn, wait_for
 from tests.workers import expected_value, fingerprint, key_of
 
 
@@ -182,3 +184,30 @@ def test_a_transfer_call_that_raised_leaves_its_memory_tainted(shmcache_mooncake
         assert counted == [Counter.REMOTE_ERRORS] and store.available
     finally:
         store.close()
+
+
+def open_and_report(config: CacheConfig, out: str) -> None:
+    """Open a cache with `config` and write what happened to `out` (in its own process: Mooncake's
+    bind address is set once per process)."""
+    try:
+        with EmbeddingCache(config) as cache:
+            cache.put(key_of("local"), expected_value("local"))  # node-local still works
+            Path(out).write_text(f"opened, remote {cache.stats()['remote_outages']} outage(s)")
+    except RemoteUnavailable as exc:
+        Path(out).write_text(f"RemoteUnavailable: {exc}")
+
+
+@pytest.mark.parametrize("mode", ["strict", "degrade"])
+def test_a_local_host_that_is_no_address_of_this_machine_is_an_outage_not_a_crash(
+    shmcache_mooncake: MooncakeMaster, namespace: str, tmp_path: Path, mode: str
+) -> None:
+    """remote_local_host 192.0.2.1 (TEST-NET-1: no address here; binding it fails before anything
+    is sent): strict fails at open naming it, degrade opens node-local with the outage counted.
+    Before: OSError from the port probe, in both modes."""
+    config = remote_config(namespace, shmcache_mooncake.address, remote_local_host="192.0.2.1")
+    out = tmp_path / "out"
+    worker = spawn(open_and_report, dataclasses.replace(config, store_unavailable_mode=mode), str(out))
+    worker.join(60)
+    assert worker.exitcode == 0
+    expected = "RemoteUnavailable: remote_local_host 192.0.2.1 (no address of this machine)"
+    assert out.read_text().startswith(expected if mode == "strict" else "opened, remote 1 outage(s)")

@@ -318,4 +318,4 @@ def test_the_holder_advertises_its_segment_at_the_host_given(capsys: pytest.Capt
     assert "--host=10.0.0.7" in holder_command("10.0.0.9:50051", host="10.0.0.7")
     with pytest.raises(SystemExit) as exited:
         remote_holder(["--master", "127.0.0.1:50051", "--host", "node-a"])
-    assert exited.value.code == 2 and "not an IPv4 address: 'node-a'" in capsys.readouterr().err
+    assert exited.value.code == 2 and "not a unicast IPv4 address: 'node-a'" in capsys.readouterr().err

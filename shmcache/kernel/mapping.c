@@ -427,7 +427,7 @@ static PyObject *Pool_on_deaths(Pool *pool, PyObject *const *args, Py_ssize_t na
         PyErr_SetString(PyExc_TypeError, "on_deaths(views, callback, args): two lists of one length and a callable");
         return NULL;
     }
-    PyObject *views = PySequence_Tuple(args[0]), *deaths = PySequence_Tuple(args[2]); /* ours: no list changes */
+    PyObject *views = PyList_AsTuple(args[0]), *deaths = PyList_AsTuple(args[2]); /* ours: no list changes */
     PyObject *set = views == NULL || deaths == NULL ? NULL : PyList_New(0); /* the mappings set so far */
     int failed = set == NULL;
     for (Py_ssize_t i = 0; !failed && i < PyTuple_GET_SIZE(views); i++) {

@@ -263,8 +263,8 @@ class NodeIndex:
         tried = 0  # left[:tried] are dropped, or being dropped: a signal can leak them, never drop twice
         try:
             for slot, gen, count in left:
-                tried += 1
-                with self.sections.stripe(slot // self.layout.ways):
+                with self.sections.stripe(slot // self.layout.ways):  # a timeout here: not tried
+                    tried += 1
                     if not self.native.unpin_in(slot, gen, count):  # our pins are off a damaged record
                         self.repairs.quarantine(slot)
         except BaseException as exc:

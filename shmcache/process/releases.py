@@ -28,6 +28,7 @@ __all__ = ["Releases"]
 
 log = logging.getLogger("shmcache")
 _BATCH_S = 0.005
+_RETRY_S = 1.0  # the pause before trying again pins a lock timeout left
 
 
 def _drain(items: queue.SimpleQueue[Any]) -> list[Any]:
@@ -55,6 +56,7 @@ class Releases:
         self._releasing = threading.Lock()  # one batch at a time
         self._batches = 0  # batches released so far
         self._released = 0  # views whose pins were released
+        self._pause = _BATCH_S  # the thread's pause before a batch (_RETRY_S after a lock timeout)
         self.closing = False  # once set, the last release calls `on_idle`
         self._thread = threading.Thread(target=self._run, name="shmcache-release", daemon=True)
         self._thread.start()
@@ -81,7 +83,7 @@ class Releases:
         while True:
             rings = [self._bell.get()]
             if rings[0]:
-                time.sleep(_BATCH_S)
+                time.sleep(self._pause)
             rings += _drain(self._bell)
             if self._release_queued() or not all(rings):
                 return
@@ -108,18 +110,25 @@ class Releases:
         """Release every pin queued (after a batch another thread is releasing), then call
         `on_idle` if that left no live view after `close`; True if it did."""
         with self._releasing:
-            pins = _drain(self._queue)
-            idle = bool(pins) and self._release(pins)
+            idle = self._release()
         if idle:
             self._on_idle()
         return idle
 
-    def _release(self, pins: list[tuple[int, int]]) -> bool:
-        """Unpin a batch of released views; True if no live view is left after `close`. The pins
-        it could not drop (a stripe held past the lock timeout; a signal in `flush` while it
-        waits) are queued again, each at most once: a later batch drops them."""
-        unreleased = pins
+    def _release(self) -> bool:
+        """Unpin the queued pins of released views; True if a batch leaves no live view after
+        `close`. The pins it could not drop (a stripe held past the lock timeout, then retried
+        after `_RETRY_S`; a signal in `flush` while it waits) are queued again, each at most once."""
+        pins: list[tuple[int, int]] = []
+        unreleased = pins  # what a signal here leaves: all of them
         try:
+            while True:  # taken one by one into our list: a signal loses at most the one in hand
+                try:
+                    pins.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            if not pins:
+                return False
             try:
                 self._device.settle()  # kernels still reading released GPU aliases finish first
             except Exception as exc:  # a broken CUDA context: its kernels will not run any more
@@ -127,9 +136,10 @@ class Releases:
             unreleased = []  # from here on an exception lists what it left (`NodeIndex.release`)
             self._node.release(pins)
             self._device.sweep()  # released entries may let exported device copies go
-        except LockTimeout as exc:  # a stopped or hung process holds a stripe: try again soon
+        except LockTimeout as exc:  # a stopped or hung process holds a stripe: try again later
             unreleased = getattr(exc, "unreleased", [])
             log.warning("shmcache: %d view pins wait for another try: %s", len(unreleased), str(exc))
+            self._pause = _RETRY_S
             self._bell.put(True)
         except Exception as exc:  # the namespace was destroyed under us, or similar
             log.debug("shmcache: releasing view pins failed: %s", str(exc))
@@ -137,10 +147,11 @@ class Releases:
             unreleased = getattr(exc, "unreleased", unreleased)
             raise
         finally:
-            for pin in unreleased:
-                self._queue.put(pin)
-            self._batches += 1
+            list(map(self._queue.put, unreleased))  # queued again in one native loop: no signal inside
             with self._lock:
                 self._released += len(pins) - len(unreleased)
-                idle = self.closing and self._watched() == self._released
+                idle = bool(pins) and self.closing and self._watched() == self._released
+            self._batches += bool(pins)
+        if not unreleased:
+            self._pause = _BATCH_S
         return idle

@@ -12,10 +12,11 @@ by default: reachable from this host only; a cluster gives each node's own addre
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import os
 import shutil
 import sys
+
+from shmcache.config import is_unicast_ipv4
 
 __all__ = ["holder_command", "main"]
 
@@ -26,11 +27,10 @@ def _program() -> str:
 
 
 def _ipv4(text: str) -> str:
-    """`text` if it is an IPv4 address (argparse's type check of --host)."""
-    try:
-        return str(ipaddress.IPv4Address(text))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an IPv4 address: {text!r}") from None
+    """`text` if it is a unicast IPv4 address (argparse's type check of --host)."""
+    if not is_unicast_ipv4(text):
+        raise argparse.ArgumentTypeError(f"not a unicast IPv4 address: {text!r}")
+    return text
 
 
 def holder_command(

@@ -74,9 +74,12 @@ def remote_key(prefix: str, key: EmbeddingCacheKey) -> str:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on `host` right now."""
+    """A TCP port free on `host` right now; 0 if `host` is not an address of this machine."""
     with socket.socket() as s:
-        s.bind((host, 0))
+        try:
+            s.bind((host, 0))
+        except OSError:
+            return 0
         return int(s.getsockname()[1])
 
 
@@ -125,10 +128,12 @@ class RemoteStore:
         if self._holder is not None:  # a thin client of the node's mooncake_client
             rc = client.setup_dummy(buffer_bytes, _PROBE_BUFFER, self._holder)
             target = f"the node's Mooncake client {self._holder}"
-        else:
-            host = f"{self._host}:{free_port(self._host)}"
+        elif port := free_port(self._host):  # 0: remote_local_host is no address of this machine
+            host = f"{self._host}:{port}"
             rc = client.setup(host, "P2PHANDSHAKE", segment_bytes, buffer_bytes, protocol, "", self.master)
             target = f"Mooncake master {self.master}"
+        else:
+            rc, target = -1, f"remote_local_host {self._host} (no address of this machine)"
         if rc != 0 or (self._holder is None and client.health_check() != 0):  # a thin client has none
             client.close()
             return f"{target} is unreachable (setup rc {rc})"
@@ -199,12 +204,8 @@ class RemoteStore:
     def register(self, address: int, nbytes: int) -> None:
         """Register node memory for zero-copy transfers (once per range; a thin client cannot)."""
         client = self._client
-        if (
-            client is not None
-            and not self._holder
-            and (address, nbytes) not in self._registered
-            and client.register_buffer(address, nbytes) == 0
-        ):
+        fresh = client is not None and not self._holder and (address, nbytes) not in self._registered
+        if fresh and client.register_buffer(address, nbytes) == 0:
             self._registered.add((address, nbytes))
 
     def size_of(self, name: str) -> int | None:
