@@ -156,9 +156,7 @@ def is_unicast_ipv4(text: str) -> bool:
         address = ipaddress.IPv4Address(text)
     except ValueError:
         return False
-    return not (
-        address.is_unspecified or address.is_multicast or address == ipaddress.IPv4Address("255.255.255.255")
-    )
+    return not (address.is_unspecified or address.is_multicast or address == _BROADCAST)
 
 
 def _timeout_ok(value: float) -> bool:

@@ -209,5 +209,5 @@ def test_a_local_host_that_is_no_address_of_this_machine_is_an_outage_not_a_cras
     worker = spawn(open_and_report, dataclasses.replace(config, store_unavailable_mode=mode), str(out))
     worker.join(60)
     assert worker.exitcode == 0
-    expected = "RemoteUnavailable: remote_local_host 192.0.2.1 (no address of this machine)"
+    expected = "RemoteUnavailable: remote_local_host 192.0.2.1 is not an address of this machine"
     assert out.read_text().startswith(expected if mode == "strict" else "opened, remote 1 outage(s)")

@@ -54,7 +54,7 @@ class Releases:
         self._bell: queue.SimpleQueue[bool] = queue.SimpleQueue()  # True: a pin queued; False: stop
         self._lock = threading.Lock()  # `_released`, `closing`
         self._releasing = threading.Lock()  # one batch at a time
-        self._batches = 0  # batches released so far
+        self._batches = 0  # batches that released pins so far
         self._released = 0  # views whose pins were released
         self._pause = _BATCH_S  # the thread's pause before a batch (_RETRY_S after a lock timeout)
         self.closing = False  # once set, the last release calls `on_idle`
@@ -151,7 +151,7 @@ class Releases:
             with self._lock:
                 self._released += len(pins) - len(unreleased)
                 idle = bool(pins) and self.closing and self._watched() == self._released
-            self._batches += bool(pins)
+            self._batches += len(pins) > len(unreleased)  # `release_now` asks whether any went
         if not unreleased:
             self._pause = _BATCH_S
         return idle

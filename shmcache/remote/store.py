@@ -123,17 +123,18 @@ class RemoteStore:
             from mooncake.store import MooncakeDistributedStore
         except ImportError as exc:
             return f"the mooncake package is not importable ({exc})"
+        port = free_port(self._host) if self._holder is None else 0  # a thin client has no segment
+        if self._holder is None and not port:
+            return f"remote_local_host {self._host} is not an address of this machine"
         client = MooncakeDistributedStore()
         protocol, segment_bytes, buffer_bytes = self._setup_args
         if self._holder is not None:  # a thin client of the node's mooncake_client
             rc = client.setup_dummy(buffer_bytes, _PROBE_BUFFER, self._holder)
             target = f"the node's Mooncake client {self._holder}"
-        elif port := free_port(self._host):  # 0: remote_local_host is no address of this machine
+        else:
             host = f"{self._host}:{port}"
             rc = client.setup(host, "P2PHANDSHAKE", segment_bytes, buffer_bytes, protocol, "", self.master)
             target = f"Mooncake master {self.master}"
-        else:
-            rc, target = -1, f"remote_local_host {self._host} (no address of this machine)"
         if rc != 0 or (self._holder is None and client.health_check() != 0):  # a thin client has none
             client.close()
             return f"{target} is unreachable (setup rc {rc})"

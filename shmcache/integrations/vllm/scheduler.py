@@ -99,7 +99,7 @@ class SchedulerSide:
             self._reserved[identifier] = mine
             self._owners[identifier] = request.request_id
         for identifier, res in claims.items():
-            if res is not None and not res.owned:  # pulled: held until this step's loads are planned
+            if res is not None and res.value is not None:  # pulled: held until this step's loads are planned
                 self.has_item(identifier)
         return True
 
