@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from shmcache.errors import CapacityError, CorruptSegment, ReservationLost
+from shmcache.errors import CapacityError, CorruptSegment, LockTimeout, ReservationLost
 from shmcache.kernel.namespace import Segments
 from shmcache.node import crashpoints
 from shmcache.node.allocator import Allocator, aligned
@@ -249,9 +249,10 @@ class NodeIndex:
     def release(self, pins: list[tuple[int, int]]) -> None:
         """Drop one pin per (slot, gen) listed, one native stripe section per stripe touched; an
         unreferenced STALE entry is freed right there. Stripes that need a repair (and damaged
-        records) are finished on the locked Python path. If it raises (`LockTimeout`, a signal
-        while it waits), the exception's `unreleased` lists the pins it did not drop (each at
-        most once: release them later, never the others again)."""
+        records) are finished on the locked Python path. A stripe held past the lock timeout
+        holds back only its own pins: the others are dropped, then `LockTimeout` is raised. If it
+        raises (`LockTimeout`, a signal while it waits), the exception's `unreleased` lists the
+        pins it did not drop (each at most once: release them later, never the others again)."""
         counts: dict[tuple[int, int], int] = {}
         for entry in pins:
             counts[entry] = counts.get(entry, 0) + 1
@@ -260,15 +261,22 @@ class NodeIndex:
         except BaseException as exc:
             exc.unreleased = _each_pin(getattr(exc, "unreleased", []))  # type: ignore[attr-defined]
             raise
-        tried = 0  # left[:tried] are dropped, or being dropped: a signal can leak them, never drop twice
+        # `untried` are not dropped; one is taken out once its stripe is entered: a signal can then
+        # leak it, never drop it twice
+        untried, timeout = dict(enumerate(left)), None
         try:
-            for slot, gen, count in left:
-                with self.sections.stripe(slot // self.layout.ways):  # a timeout here: not tried
-                    tried += 1
-                    if not self.native.unpin_in(slot, gen, count):  # our pins are off a damaged record
-                        self.repairs.quarantine(slot)
+            for n, (slot, gen, count) in enumerate(left):
+                try:
+                    with self.sections.stripe(slot // self.layout.ways):
+                        del untried[n]
+                        if not self.native.unpin_in(slot, gen, count):  # our pins are off a damaged record
+                            self.repairs.quarantine(slot)
+                except LockTimeout as exc:  # its stripe is held: the others go on
+                    timeout = timeout or exc
+            if timeout is not None:
+                raise timeout
         except BaseException as exc:
-            exc.unreleased = _each_pin(left[tried:])  # type: ignore[attr-defined]
+            exc.unreleased = _each_pin(list(untried.values()))  # type: ignore[attr-defined]
             raise
 
     def add_ref(self, slot: int, gen: int) -> bool:

@@ -944,10 +944,12 @@ static int release_item(Index *ix, PyObject *item, Py_ssize_t *slot, uint64_t *g
 
 /* release(pins: list[(slot, gen, count)]) sorted by slot: drops them stripe by stripe; returns
  * the entries it could not finish natively (their stripe needs a repair, or a record is
- * damaged), for the locked Python path. If it raises (a lock timeout, a signal while it waits),
- * the exception's `unreleased` lists the items it did not drop, those returned so far included,
- * so the caller can drop them later, never one twice ([] once this process detached: its pins
- * went with its record). */
+ * damaged), for the locked Python path. A stripe held past the lock timeout (a stopped process
+ * inside it) holds back only its own items: the other stripes are released, then the first
+ * LockTimeout is raised. If it raises (a lock timeout, a signal while it waits), the
+ * exception's `unreleased` lists the items it did not drop, those returned so far included, so
+ * the caller can drop them later, never one twice ([] once this process detached: its pins went
+ * with its record). */
 static PyObject *Index_release(Index *ix, PyObject *arg) {
     if (!PyList_Check(arg) || check_bound(ix) < 0) {
         if (!PyErr_Occurred()) {
@@ -956,12 +958,16 @@ static PyObject *Index_release(Index *ix, PyObject *arg) {
         return NULL;
     }
     PyObject *pins = PyList_AsTuple(arg); /* our references: a wait releases the GIL */
-    PyObject *left = pins == NULL ? NULL : PyList_New(0);
-    if (left == NULL) {
+    PyObject *left = pins == NULL ? NULL : PyList_New(0), *stuck = left == NULL ? NULL : PyList_New(0);
+    if (stuck == NULL) {
+        Py_XDECREF(left);
         Py_XDECREF(pins);
         return NULL;
     }
-    Py_ssize_t n = PyTuple_GET_SIZE(pins), slot, i = 0; /* pins[i:] and `left` are not dropped yet */
+    /* pins[i:], `left` and `stuck` (the items of stripes held past the lock timeout) are not dropped
+     * yet; `timeout` is the first such stripe's LockTimeout, raised once the others are done */
+    Py_ssize_t n = PyTuple_GET_SIZE(pins), slot, i = 0;
+    PyObject *timeout = NULL, *timeout_tb = NULL, *timeout_type = NULL;
     uint64_t gen;
     uint32_t count_;
     int detached = 0;
@@ -977,6 +983,19 @@ static PyObject *Index_release(Index *ix, PyObject *arg) {
             end++;
         }
         int entered = enter_stripe_fast(ix, stripe);
+        if (entered < 0 && PyErr_ExceptionMatches(LockTimeout)) {
+            if (timeout == NULL) {
+                PyErr_Fetch(&timeout_type, &timeout, &timeout_tb);
+            } else {
+                PyErr_Clear();
+            }
+            for (; i < end; i++) {
+                if (PyList_Append(stuck, PyTuple_GET_ITEM(pins, i)) < 0) {
+                    goto error;
+                }
+            }
+            continue;
+        }
         if (entered < 0) {
             goto error;
         }
@@ -1000,14 +1019,23 @@ static PyObject *Index_release(Index *ix, PyObject *arg) {
             goto error;
         }
     }
-    Py_DECREF(pins);
-    return left;
+    if (timeout == NULL) {
+        Py_DECREF(stuck);
+        Py_DECREF(pins);
+        return left;
+    }
+    PyErr_Restore(timeout_type, timeout, timeout_tb); /* every other stripe is done */
+    timeout_type = timeout = timeout_tb = NULL;
 error:;
+    Py_XDECREF(timeout_type); /* a later error (a signal while waiting) wins over a lock timeout */
+    Py_XDECREF(timeout);
+    Py_XDECREF(timeout_tb);
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
     PyObject *rest = PyTuple_GetSlice(pins, i, n), *unreleased = PyList_New(0);
     if (rest == NULL || unreleased == NULL ||
         (!detached && (PyList_SetSlice(unreleased, 0, 0, left) < 0 ||
+                       PyList_SetSlice(unreleased, PY_SSIZE_T_MAX, PY_SSIZE_T_MAX, stuck) < 0 ||
                        PyList_SetSlice(unreleased, PY_SSIZE_T_MAX, PY_SSIZE_T_MAX, rest) < 0))) {
         PyErr_Clear(); /* no list: the caller cannot tell, and drops none again (a leak, never twice) */
         Py_CLEAR(unreleased);
@@ -1018,6 +1046,7 @@ error:;
     Py_XDECREF(rest);
     Py_DECREF(pins);
     Py_DECREF(left);
+    Py_DECREF(stuck);
     return NULL;
 }
 
