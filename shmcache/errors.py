@@ -64,6 +64,11 @@ class CapacityError(ShmCacheError, MemoryError):
     """Not enough room: value larger than the cache, shared memory full, or all slots referenced."""
 
 
+class PinLimitReached(CapacityError):
+    """This process holds pins on `max_pins_per_process` entries: release requests with
+    `cleanup_request()` or drop returned views."""
+
+
 class LayoutMismatch(ShmCacheError, ValueError):
     """An existing namespace was created with another layout version or other settings."""
 

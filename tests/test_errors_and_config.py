@@ -31,6 +31,7 @@ def test_errors_pickle_and_subclass_a_builtin(cls: type[ShmCacheError]) -> None:
 def test_builtin_pairs_from_the_design() -> None:
     assert issubclass(errors.ComputeTimeout, TimeoutError)
     assert issubclass(errors.CapacityError, MemoryError)
+    assert issubclass(errors.PinLimitReached, errors.CapacityError)
     assert issubclass(errors.LayoutMismatch, ValueError)
 
 

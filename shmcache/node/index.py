@@ -29,7 +29,7 @@ from shmcache.node.counters import Counters
 from shmcache.node.crashpoints import CrashPoint
 from shmcache.node.layout import MAGIC, Counter, Header
 from shmcache.node.lookups import Lookups
-from shmcache.node.pins import PinTable
+from shmcache.node.pins import PinTable, after_reclaim
 from shmcache.node.repair import Repairs
 from shmcache.node.reservations import Claim, ClaimKind, Reservations
 from shmcache.node.sections import Sections
@@ -65,14 +65,17 @@ class NodeIndex:
         )
         self.reservations = Reservations(self.slots, segments.sems, self.counters, self.attachments)
         self.repairs = Repairs(self, self.capacity)
-        self.lookups = Lookups(native, self.sections, self.repairs.quarantine, self.stripe_of)
+        self.lookups = Lookups(
+            native, self.sections, self.repairs.quarantine, self.stripe_of, lambda: self.reclaim()
+        )
         self.slots.on_damaged = self.repairs.quarantine
         self.allocator = Allocator(
             self.slots, self.sections, self.counters, self.capacity, self.reservations.owner_alive
         )
         self.client = -1
         self.reclaim: Callable[[], bool] = lambda: False  # the process's dead views' pins, released
-        # at once when the arena is full (process/releases.py); True if any were
+        # at once when the arena is full or the pin records are all taken (process/releases.py);
+        # True if any were
 
     # ------------------------------------------------------------------ attach and detach
     def attach(self) -> None:
@@ -156,12 +159,7 @@ class NodeIndex:
         need = aligned(nbytes)
         if need > self.capacity:
             raise CapacityError(f"value of {nbytes} bytes exceeds capacity_bytes={self.capacity}")
-        try:
-            return self._place(slot, gen, need)
-        except CapacityError:
-            if not self.reclaim():  # outside the node section: it takes stripe sections
-                raise
-        return self._place(slot, gen, need)
+        return after_reclaim(lambda: self._place(slot, gen, need), self.reclaim)
 
     def _place(self, slot: int, gen: int, need: int) -> int:
         """`allocate`'s step under the node section: find room, evicting, and take it."""
@@ -279,14 +277,18 @@ class NodeIndex:
             exc.unreleased = _each_pin(list(untried.values()))  # type: ignore[attr-defined]
             raise
 
-    def add_ref(self, slot: int, gen: int) -> bool:
-        """One more pin on a sealed (slot, gen); False if it is no longer sealed there."""
+    def add_ref(self, slot: int, gen: int, count: int = 1) -> bool:
+        """`count` more pins on a sealed (slot, gen); False if it is no longer sealed there.
+        Out of pin records, `reclaim` first, then once more (`PinLimitReached` if still out)."""
+        return after_reclaim(lambda: self._add_refs(slot, gen, count), self.reclaim)
+
+    def _add_refs(self, slot: int, gen: int, count: int) -> bool:
         with self.sections.stripe(slot // self.layout.ways):
             record = self.slots.read(slot)
             if record is None or record.state != SlotState.SEALED or record.gen != gen:
                 return False
-            self.pins.add(slot, gen, 1)
-            self.slots.write(slot, record.state, record.with_refs(record.refs + 1))
+            self.pins.add(slot, gen, count)
+            self.slots.write(slot, record.state, record.with_refs(record.refs + count))
             return True
 
     def drop(self, slot: int, gen: int) -> None:

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 
 from shmcache.node import _native
 from shmcache.node.layout import Counter
+from shmcache.node.pins import after_reclaim
 from shmcache.node.sections import Sections
 from shmcache.node.slots import SealedEntry
 
@@ -28,17 +29,19 @@ class Lookups:
         sections: Sections,
         quarantine: Callable[[int], None],
         stripe_of: Callable[[bytes], int],
+        reclaim: Callable[[], bool],
     ) -> None:
-        self._native, self._sections, self._quarantine, self._stripe_of = (
-            native,
-            sections,
-            quarantine,
-            stripe_of,
-        )
+        """`reclaim`: release this process's dead views' pins now (True if any were)."""
+        self._native, self._sections, self._quarantine = native, sections, quarantine
+        self._stripe_of, self._reclaim = stripe_of, reclaim
 
     def lookup(self, needle: bytes, pins: int, *, counted: bool = False) -> SealedEntry | None:
         """A sealed, unexpired entry for `needle`, pinned `pins` times; None on a miss. When
-        `counted`, the hit or miss is counted (HITS_NODE, MISSES)."""
+        `counted`, the hit or miss is counted (HITS_NODE, MISSES). Out of pin records, the dead
+        views' pins are released first, then once more (`PinLimitReached` if still out)."""
+        return after_reclaim(lambda: self._lookup(needle, pins, counted), self._reclaim)
+
+    def _lookup(self, needle: bytes, pins: int, counted: bool) -> SealedEntry | None:
         answer = self._native.lookup(needle, pins, counted)
         if isinstance(answer, _native.Slow):
             answer = self._locked(needle, pins, counted)
@@ -49,7 +52,10 @@ class Lookups:
     ) -> list[SealedEntry | None]:
         """`lookup` of every needle, in order, in one native call, each hit or miss counted. If
         anything raises (out of pin records, a lock timeout), the hits already pinned are given
-        to `release` first."""
+        to `release` first. With fewer free pin records than the batch may take, the dead views'
+        pins are released first."""
+        if pins and self._native.pins_spare() < len(needles):
+            self._reclaim()
         try:
             answers = self._native.lookup_many(needles, pins, True)
         except BaseException as exc:  # KeyboardInterrupt too: a wait for a stripe is interruptible

@@ -139,7 +139,7 @@ static void reached(int point) {
 }
 
 /* ---------------------------------------------------------------------------- errors */
-static PyObject *LockTimeout, *CacheClosed, *CapacityError;
+static PyObject *LockTimeout, *CacheClosed, *PinLimitReached;
 
 static double monotonic_now(void) {
     struct timespec ts;
@@ -411,8 +411,8 @@ static void write_pin(Index *ix, int32_t index, int32_t slot, uint32_t n, uint64
     memcpy(pin_at(ix, index), &pin, sizeof pin); /* one copy: repairs read it under the lock */
 }
 
-/* Add `n` pins on (slot, gen); -1 with CapacityError when every pin record is in use. The caller
- * holds the slot's stripe section and adds `n` to the refcount. */
+/* Add `n` pins on (slot, gen); -1 with PinLimitReached (a CapacityError) when every pin record is
+ * in use. The caller holds the slot's stripe section and adds `n` to the refcount. */
 static int pin_add(Index *ix, int32_t slot, uint64_t gen, uint32_t n) {
     if (ix->row < 0) { /* detached while a caller waited for its stripe: no record to pin in */
         PyErr_SetString(CacheClosed, "this process detached from the namespace");
@@ -425,7 +425,7 @@ static int pin_add(Index *ix, int32_t slot, uint64_t gen, uint32_t n) {
         return 0;
     }
     if (ix->free_top == 0) {
-        PyErr_Format(CapacityError,
+        PyErr_Format(PinLimitReached,
                      "this process holds pins on %zd entries (max_pins_per_process): release requests "
                      "with cleanup_request() or drop returned views",
                      ix->pins);
@@ -656,7 +656,7 @@ static PyObject *lookup_one(Index *ix, const char *needle, uint32_t pins, int co
     int found = ix->row < 0 ? (PyErr_SetString(CacheClosed, "this process detached from the namespace"), R_ERROR)
                             : hit_in(ix, stripe, needle, monotonic_now(), pins, &hit);
     /* every path below leaves cleanly: a step writes whole records only, and R_ERROR
-     * (CapacityError) is raised before anything is written */
+     * (PinLimitReached) is raised before anything is written */
     if (leave_stripe(ix, stripe) < 0) {
         return NULL;
     }
@@ -1772,9 +1772,9 @@ PyMODINIT_FUNC PyInit__native(void) {
     }
     LockTimeout = PyObject_GetAttrString(errors, "LockTimeout");
     CacheClosed = PyObject_GetAttrString(errors, "CacheClosed");
-    CapacityError = PyObject_GetAttrString(errors, "CapacityError");
+    PinLimitReached = PyObject_GetAttrString(errors, "PinLimitReached");
     Py_DECREF(errors);
-    if (LockTimeout == NULL || CacheClosed == NULL || CapacityError == NULL) {
+    if (LockTimeout == NULL || CacheClosed == NULL || PinLimitReached == NULL) {
         return NULL;
     }
     PyObject *m = PyModule_Create(&native_module);

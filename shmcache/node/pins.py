@@ -9,12 +9,30 @@ and view pins (released when the last view of a mapping is garbage collected).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import numpy as np
 
+from shmcache.errors import CapacityError
 from shmcache.node import _native
 from shmcache.node.layout import CLIENT_HEAD_SIZE, PIN, PIN_DTYPE, Layout
 
-__all__ = ["PinTable"]
+__all__ = ["PinTable", "after_reclaim"]
+
+T = TypeVar("T")
+
+
+def after_reclaim(step: Callable[[], T], reclaim: Callable[[], bool]) -> T:
+    """`step()`; if it raises `CapacityError` (a full arena, or every pin record taken), release
+    this process's dead views' pins (`reclaim`, True if any were; the caller holds no section: it
+    takes stripe sections) and run it once more."""
+    try:
+        return step()
+    except CapacityError:
+        if not reclaim():
+            raise
+    return step()
 
 
 class PinTable:

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from shmcache.config import CacheConfig
-from shmcache.errors import CacheClosed, CapacityError
+from shmcache.errors import CacheClosed, CapacityError, PinLimitReached
 from shmcache.format import values
 from shmcache.format.values import Value
 from shmcache.gpu.side import DeviceSide
@@ -149,8 +149,8 @@ class EmbeddingCache:
     def put(self, key: EmbeddingCacheKey, value: Value, request_id: RequestId | None = None) -> None:
         """Store `value` under `key`. The first writer wins: an existing or in-flight entry is kept.
 
-        Raises `CapacityError` if the value cannot be stored (larger than the cache, or everything
-        referenced) and `UnsupportedValue` for types the value format does not hold.
+        Raises `CapacityError` if it cannot be stored (larger than the cache, or all referenced;
+        `PinLimitReached`: stored, `request_id` cannot hold it), `UnsupportedValue` if unsupported.
         """
         if not self._enabled:
             return
@@ -172,8 +172,8 @@ class EmbeddingCache:
         """The cached value of `key`, computing it with `compute_fn` once per node on a miss.
 
         Concurrent callers on the node (threads and processes) wait for the one computing; if it
-        fails they get `ComputeFailed` naming the cause; if it dies, one of them takes over.
-        A value that cannot be cached is still returned (counted as `uncacheable`).
+        fails they get `ComputeFailed` naming the cause; if it dies, one of them takes over. A value
+        that cannot be cached is still returned (`uncacheable`); `PinLimitReached` as for `get`.
         """
         arguments.check_callable("compute_fn", compute_fn)
         if not self._enabled:
@@ -194,6 +194,8 @@ class EmbeddingCache:
                 raise
             try:
                 return res.commit(value)
+            except PinLimitReached:
+                raise  # stored, but the request cannot hold it: as `get` would
             except CapacityError:
                 return value
 

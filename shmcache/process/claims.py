@@ -216,10 +216,9 @@ class Claims:
             exported = record is not None
             return None if record is None else record.pack()
 
-        pins = self._views.pins_for(request_id) if view else int(request_id is not None)
         sealed = None
         try:
-            sealed = node.commit(slot, gen, entry.entry_size(encoded), write, pins)
+            sealed = node.commit(slot, gen, entry.entry_size(encoded), write, self._pins(request_id, view))
         except CapacityError:
             node.count(Counter.UNCACHEABLE)
             raise
@@ -242,10 +241,18 @@ class Claims:
         else:
             self._device.exports.published(slot, gen)
 
+    def _pins(self, request_id: RequestId | None, view: bool) -> int:
+        """The pins a commit takes: a delivery's when it returns the cached view, else a request
+        ref (the caller keeps its own value)."""
+        return self._views.pins_for(request_id) if view else int(request_id is not None)
+
     def _hand_out(self, reservation: Reservation, value: Value, sealed: SealedEntry, *, view: bool) -> Value:
-        if not sealed.pinned:
-            return value  # stored for everyone; this process is out of pins, so it keeps its own value
         request_id = reservation.request_id
+        if not sealed.pinned:  # stored for everyone; this process was out of pin records
+            pinned = self._views.pin_late(sealed, request_id, self._pins(request_id, view))
+            if pinned is None:
+                return value  # it keeps its own value
+            sealed = pinned
         if not view:
             if request_id is not None:
                 self._requests.add(request_id, sealed.slot, sealed.gen)

@@ -20,7 +20,7 @@ from typing import Any, Final, NamedTuple
 import numpy as np
 
 from shmcache.config import CacheConfig
-from shmcache.errors import CorruptValue, ViewMutated
+from shmcache.errors import CapacityError, CorruptValue, ViewMutated
 from shmcache.format import decode, entry
 from shmcache.format.values import Value
 from shmcache.gpu.record import GpuRecord
@@ -93,6 +93,20 @@ class Views:
         """Pins a delivery takes: a view pin in view mode, plus a request ref. In clone mode
         without a request, one pin covers the copy and is released right after it."""
         return max(int(not self._clone) + int(request_id is not None), 1)
+
+    def pin_late(self, sealed: SealedEntry, request_id: RequestId | None, pins: int) -> SealedEntry | None:
+        """For a seal that found this process out of pin records (`sealed.pinned` False): take the
+        `pins` it asked for now (`add_ref` releases the dead views' pins first); the entry
+        pinned, or None (the caller keeps its own value) if it left meanwhile or, without a
+        request, there are still none. `CapacityError` if a request asked to hold it and there
+        are none (before, its reference was silently not taken)."""
+        try:
+            if self._node.add_ref(sealed.slot, sealed.gen, pins):
+                return sealed._replace(pinned=True)
+        except CapacityError:
+            if request_id is not None:
+                raise
+        return None
 
     def forget(self) -> None:
         """Drop every live mapping (detach)."""

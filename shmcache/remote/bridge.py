@@ -299,6 +299,8 @@ class RemoteBridge:
             sealed = self._node.commit(slot, gen, data.nbytes, write, self._views.pins_for(request_id))
         except CapacityError:
             sealed = None
+        if sealed is not None and not sealed.pinned:
+            sealed = self._views.pin_late(sealed, request_id, self._views.pins_for(request_id))
         if sealed is not None and sealed.pinned:
             value = self._views.deliver(reservation.key, needle_of(reservation.key), sealed, request_id)
             if value is not None:
