@@ -131,7 +131,8 @@ class CacheConfig:
 
     @classmethod
     def from_stage_config(cls, stage: Mapping[str, Any]) -> CacheConfig:
-        """Build from a vLLM-Omni stage-config mapping (`enable_embedding_cache` + these fields)."""
+        """Build from the `CacheConfig` fields of a vLLM-Omni stage's `embedding_cache:` block
+        (`enable_embedding_cache` + these fields; not the whole stage)."""
         if not isinstance(stage, Mapping):
             raise ConfigTypeError(f"the stage config must be a mapping, got {type(stage).__name__}")
         names = {f.name for f in dataclasses.fields(cls)}
