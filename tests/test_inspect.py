@@ -129,9 +129,19 @@ def test_a_snapshot_keeps_no_mapping_of_the_index(shmcache_config: CacheConfig) 
         assert index_mappings() == before and snap.stats["entries"] == 1
 
 
-def test_unknown_namespace_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = run_inspect(capsys, "show", "no-such-namespace-here")
-    assert code == 1 and "does not exist" in err
+@pytest.mark.parametrize("command", [["show"], ["destroy"], ["destroy", "--force"]])
+def test_unknown_namespace_is_a_clear_error(command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """Before, `destroy --force` of a name that does not exist printed "destroyed" with rc 0."""
+    code, out, err = run_inspect(capsys, *command, "no-such-namespace-here")
+    assert code == 1 and "does not exist" in err and "destroyed" not in out
+
+
+@pytest.mark.parametrize("option", ["--entries", "--watch"])
+def test_a_negative_count_is_a_usage_error(option: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Before, `--entries -1` silently dropped the last entry and `--watch -1` raised ValueError."""
+    with pytest.raises(SystemExit) as exited:
+        run_inspect(capsys, "show", "any", option, "-1")
+    assert exited.value.code == 2 and "must be 0 or more" in capsys.readouterr().err
 
 
 def _free_port() -> int:

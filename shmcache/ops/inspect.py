@@ -210,6 +210,11 @@ def _destroy(namespace: str, force: bool) -> int:
             return 1
     from shmcache.kernel.namespace import destroy_namespace
 
+    names = object_names(namespace)
+    paths = (names.index_path, f"{SHM_DIR}{names.arena}", names.lock_path)
+    if not any(os.path.lexists(path) for path in paths):
+        print(f"shmcache-inspect: namespace {namespace!r} does not exist", file=sys.stderr)
+        return 1  # a typo is not a success (without --force the snapshot says so too)
     destroy_namespace(namespace)
     print(f"destroyed {namespace}")
     return 0
@@ -285,6 +290,21 @@ def _list(as_json: bool) -> int:
     return 0
 
 
+def _non_negative(kind: type[int] | type[float]) -> Any:
+    """An argparse type: a number of `kind`, 0 or more (a usage error otherwise)."""
+
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not value >= 0:
+            raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+        return value
+
+    return parse
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="shmcache-inspect", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -295,8 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     show = sub.add_parser("show", help="one namespace in detail")
     show.add_argument("namespace")
     show.add_argument("--json", action="store_true", help="machine-readable (docs/inspect.md)")
-    show.add_argument("--watch", type=float, metavar="SECONDS", help="repeat every SECONDS")
-    show.add_argument("--entries", type=int, default=None, help="show at most N entries")
+    show.add_argument("--watch", type=_non_negative(float), metavar="SECONDS", help="repeat every SECONDS")
+    show.add_argument("--entries", type=_non_negative(int), default=None, help="show at most N entries")
     gc = sub.add_parser("gc", help="reap dead processes' records, pins and reservations")
     gc.add_argument("namespace")
     destroy = sub.add_parser("destroy", help="remove a namespace")
