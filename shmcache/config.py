@@ -116,7 +116,9 @@ class CacheConfig:
         _require(1 <= self.remote_publish_queue <= 1 << 20, "remote_publish_queue must be in 1..1048576")
         for name in ("remote_master", "remote_holder"):
             address = getattr(self, name)
-            _require(address is None or ":" in address, f"{name} must be HOST:PORT or None")
+            _require(
+                address is None or is_host_port(address), f"{name} must be HOST:PORT (port 1..65535) or None"
+            )
         for name in ("remote_segment_bytes", "remote_buffer_bytes"):
             _require(0 <= getattr(self, name) <= MAX_REMOTE_BYTES, f"{name} must be in 0..256 TiB")
         _require("@" not in self.remote_key_prefix, "remote_key_prefix must not contain '@'")
@@ -158,6 +160,17 @@ def is_unicast_ipv4(text: str) -> bool:
     except ValueError:
         return False
     return not (address.is_unspecified or address.is_multicast or address == _BROADCAST)
+
+
+def is_host_port(text: str) -> bool:
+    """Whether `text` is `HOST:PORT`: a host name or IPv4 address, and a port in 1..65535."""
+    host, _, port = text.rpartition(":")
+    return (
+        bool(host)
+        and not any(c.isspace() or c == ":" for c in host)
+        and port.isascii()
+        and (port.isdigit() and 1 <= int(port) <= 65535)
+    )
 
 
 def _timeout_ok(value: float) -> bool:

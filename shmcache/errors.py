@@ -96,7 +96,8 @@ class ReservationLost(ShmCacheError, RuntimeError):
 
 
 class ViewMutated(ShmCacheError, RuntimeError):
-    """Debug mode found that a returned zero-copy view was written to; the entry was dropped."""
+    """Debug mode found that a returned zero-copy view was written to (only this process's
+    copy-on-write copy changed: the node's copy is intact, and the next get maps it afresh)."""
 
 
 class CacheClosed(ShmCacheError, RuntimeError):

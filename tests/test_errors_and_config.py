@@ -86,6 +86,11 @@ ODD_VALUES = [
     ("tenant_salt", "bad \ud800 salt", InvalidConfig),
     ("remote_key_prefix", "\udcff", InvalidConfig),
     ("remote_master", "host:\ud800", InvalidConfig),
+    ("remote_master", ":", InvalidConfig),  # before, anything with a ':' was accepted (rc -600 at open)
+    ("remote_master", "host:notaport", InvalidConfig),
+    ("remote_master", "host:99999", InvalidConfig),
+    ("remote_master", "host:0", InvalidConfig),
+    ("remote_holder", "my host:50052", InvalidConfig),
     ("compute_timeout_s", float("inf"), InvalidConfig),
     ("compute_timeout_s", float("nan"), InvalidConfig),
     ("lock_timeout_s", 1e300, InvalidConfig),
@@ -142,3 +147,21 @@ def test_new_error_classes_pair_with_their_builtins() -> None:
     assert issubclass(errors.ForeignObject, PermissionError)
     assert issubclass(errors.KeyTypeError, TypeError) and issubclass(errors.KeyTypeError, errors.InvalidKey)
     assert pickle.loads(pickle.dumps(errors.ForeignObject("x"))).args == ("x",)
+
+
+def test_a_cache_is_opened_with_a_cache_config_only() -> None:
+    """Before: `EmbeddingCache({"namespace": "x"})` raised AttributeError from inside."""
+    from shmcache import ArgumentTypeError, EmbeddingCache
+
+    with pytest.raises(ArgumentTypeError, match="config must be a CacheConfig, got dict"):
+        EmbeddingCache({"namespace": "x"})  # type: ignore[arg-type]
+
+
+def test_the_demo_refuses_counts_it_cannot_run() -> None:
+    """Before: `--distinct 0` raised IndexError, `--requests -3` ran and exited 0."""
+    from shmcache.ops.demo import main as demo_main
+
+    for option in ("--distinct", "--requests", "--encoders", "--prefills"):
+        with pytest.raises(SystemExit) as exited:
+            demo_main([option, "0"])
+        assert exited.value.code == 2

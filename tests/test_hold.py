@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from shmcache import EmbeddingCache
 from shmcache.testing import namespace_objects, sample_cache_config
 from tests.helpers import wait_for
@@ -56,7 +58,12 @@ def test_a_held_namespace_outlives_its_users_and_goes_with_the_holder(namespace:
     assert not namespace_objects(namespace)  # the holder was the last one: everything removed
 
 
-def test_a_bad_hold_config_is_refused(tmp_path: Path) -> None:
-    holder = _hold({"namespce": "x"}, tmp_path / "ready")
+@pytest.mark.parametrize(
+    ("fields", "said"),
+    [({"namespce": "x"}, b"namespce"), ({"enable_embedding_cache": False}, b"nothing to hold")],
+    ids=["unknown-setting", "disabled"],  # disabled: before, it said "holding" and held nothing
+)
+def test_a_bad_hold_config_is_refused(fields: dict[str, object], said: bytes, tmp_path: Path) -> None:
+    holder = _hold(fields, tmp_path / "ready")
     _out, err = holder.communicate(timeout=60)
-    assert holder.returncode == 2 and b"namespce" in err
+    assert holder.returncode == 2 and said in err and not (tmp_path / "ready").exists()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import subprocess
 import sys
@@ -221,3 +222,30 @@ def test_collector_inside_a_process(shmcache_config: CacheConfig) -> None:
 def test_a_bad_namespace_name_is_a_clear_error(command: str, capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run_inspect(capsys, command, "../escape")
     assert code == 1 and "namespace must match" in err
+
+
+def test_serving_on_a_taken_port_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: an OSError traceback."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        code, _, err = run_inspect(capsys, "serve-metrics", "--port", str(taken.getsockname()[1]))
+    assert code == 1 and "cannot serve on 127.0.0.1:" in err and "Address already in use" in err
+
+
+def test_watch_ends_quietly_on_ctrl_c_and_when_its_reader_goes(shmcache_config: CacheConfig) -> None:
+    """Before: a KeyboardInterrupt traceback (rc -2), and `show --watch --json | head` a
+    BrokenPipeError traceback."""
+    command = [sys.executable, "-m", "shmcache", "inspect", "show", shmcache_config.namespace]
+    command += ["--watch", "0.05"]
+    with EmbeddingCache(shmcache_config):
+        watcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert watcher.stdout is not None and watcher.stdout.read(20)  # it runs
+        watcher.send_signal(signal.SIGINT)
+        _out, err = watcher.communicate(timeout=30)
+        assert watcher.returncode == 0 and b"Traceback" not in err
+        reader_gone = subprocess.Popen([*command, "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert reader_gone.stdout is not None and reader_gone.stdout.read(20)
+        reader_gone.stdout.close()  # as `head` does after its bytes
+        assert reader_gone.wait(30) == 0
+        assert reader_gone.stderr is not None and b"Traceback" not in reader_gone.stderr.read()

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from shmcache.errors import InvalidConfig
+from shmcache.testing import ProcessPool
+from tests.workers import key_of
+
 WORKERS = """
 import os
 import time
@@ -111,3 +115,19 @@ def test_a_leak_fails_the_test(project: pytest.Pytester) -> None:
 def test_options_are_registered(project: pytest.Pytester) -> None:
     result = project.runpytest_subprocess("--help")
     result.stdout.fnmatch_lines(["*--shmcache-capacity*", "*--shmcache-timeout*", "*shmcache_leak_check*"])
+
+
+def test_a_setting_that_is_not_a_number_is_a_usage_error(project: pytest.Pytester) -> None:
+    """Before, a capacity such as "64M" failed each test with a bare ValueError from int()."""
+    project.makeini("[pytest]\nshmcache_capacity_bytes = 64M\n")
+    project.makepyfile(test_user="def test_config(shmcache_config):\n    pass\n")
+    result = project.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["*shmcache_capacity_bytes) must be of type int, got '64M'*"])
+
+
+def test_an_unknown_crash_point_is_a_typed_error(shmcache_pool: ProcessPool) -> None:
+    """Before: a bare ValueError."""
+    with pytest.raises(InvalidConfig, match="point must be one of"):
+        shmcache_pool.crash("bogus", key_of("a"))
+    assert shmcache_pool.workers == []

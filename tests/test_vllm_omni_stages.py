@@ -124,6 +124,14 @@ def test_the_command_writes_the_deploy_yaml_vllm_omni_reads(tmp_path: Path) -> N
     )
     assert failed.returncode == 1 and "stage 0 embedding_cache: unknown" in failed.stderr
     assert "size" in failed.stderr and not failed.stdout
+    unwritable = tmp_path / "no-such-dir" / "out.yaml"  # before: a FileNotFoundError traceback
+    failed = subprocess.run(
+        [sys.executable, "-m", "shmcache", "omni-deploy", str(DEPLOY), "-o", str(unwritable)],
+        capture_output=True,
+        text=True,
+    )
+    assert failed.returncode == 1 and f"cannot write {unwritable}: No such file" in failed.stderr
+    assert "Traceback" not in failed.stderr
 
 
 def test_the_stage_module_does_not_import_vllm() -> None:

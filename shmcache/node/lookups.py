@@ -11,9 +11,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
+from shmcache.errors import PinLimitReached
 from shmcache.node import _native
 from shmcache.node.layout import Counter
-from shmcache.node.pins import after_reclaim
 from shmcache.node.sections import Sections
 from shmcache.node.slots import SealedEntry
 
@@ -39,11 +39,13 @@ class Lookups:
         """A sealed, unexpired entry for `needle`, pinned `pins` times; None on a miss. When
         `counted`, the hit or miss is counted (HITS_NODE, MISSES). Out of pin records, the dead
         views' pins are released first, then once more (`PinLimitReached` if still out)."""
-        return after_reclaim(lambda: self._lookup(needle, pins, counted), self._reclaim)
-
-    def _lookup(self, needle: bytes, pins: int, counted: bool) -> SealedEntry | None:
-        answer = self._native.lookup(needle, pins, counted)
-        if isinstance(answer, _native.Slow):
+        try:  # the hit path: `after_reclaim` written out (no closure per call)
+            answer = self._native.lookup(needle, pins, counted)
+        except PinLimitReached:
+            if not self._reclaim():
+                raise
+            answer = self._native.lookup(needle, pins, counted)
+        if isinstance(answer, _native.Slow):  # (the locked path does not release dead views first)
             answer = self._locked(needle, pins, counted)
         return answer
 

@@ -25,6 +25,7 @@ from shmcache.config import CacheConfig
 from shmcache.kernel.namespace import destroy_namespace
 from shmcache.keys.key import EmbeddingCacheKey
 from shmcache.node.layout import Counter
+from shmcache.ops.argtypes import at_least
 from shmcache.process.cache import EmbeddingCache
 from shmcache.testing.samples import sample_preprocessing
 
@@ -229,12 +230,17 @@ def format_table(figures: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="shmcache demo", description=__doc__)
-    parser.add_argument("--encoders", type=int, default=2)
-    parser.add_argument("--prefills", type=int, default=2)
-    parser.add_argument("--requests", type=int, default=320)
-    parser.add_argument("--distinct", type=int, default=40)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--encoders", type=at_least(1), default=2, help="encoder processes (default 2)")
+    parser.add_argument("--prefills", type=at_least(1), default=2, help="prefill processes (default 2)")
+    parser.add_argument("--requests", type=at_least(1), default=320, help="requests in all (default 320)")
+    parser.add_argument(
+        "--distinct",
+        type=at_least(1),
+        default=40,
+        help="the pool the requests' images are drawn from (default 40)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="of the random draw (default 0)")
+    parser.add_argument("--no-progress", action="store_true", help="print only the final table")
     args = parser.parse_args(argv)
     figures = run(args.encoders, args.prefills, args.requests, args.distinct, args.seed, not args.no_progress)
     print(format_table(figures))

@@ -41,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError) as exc:
         print(f"shmcache hold: bad --config: {exc}", file=sys.stderr)
         return 2
+    if not config.enable_embedding_cache:
+        print("shmcache hold: --config disables the cache: nothing to hold", file=sys.stderr)
+        return 2
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())

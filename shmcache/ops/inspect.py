@@ -32,6 +32,7 @@ from shmcache.kernel.namespace import (
 from shmcache.node.index import NodeIndex
 from shmcache.node.layout import Counter as C
 from shmcache.node.slots import SlotState
+from shmcache.ops.argtypes import at_least
 from shmcache.ops.snapshot import ClientInfo, EntryInfo, NamespaceSnapshot, ReservationInfo, take_snapshot
 
 __all__ = ["gc_namespace", "main", "render"]
@@ -70,7 +71,8 @@ def _summary(snap: NamespaceSnapshot) -> list[str]:
         f"capacity {_size(snap.capacity_bytes)}, used {_size(snap.used_bytes)}, "
         f"free {_size(snap.free_bytes)}; "
         f"entries {s['entries']}/{snap.settings['max_entries']}, ways {snap.settings['ways']}, "
-        f"ttl {snap.settings['ttl_s'] or 'none'} s, hash {snap.settings['hash_algorithm']}",
+        f"ttl {f'{ttl} s' if (ttl := snap.settings['ttl_s']) else 'none'}, "
+        f"hash {snap.settings['hash_algorithm']}",
         f"hits {n[C.HITS_PROCESS]} process + {n[C.HITS_NODE]} node, misses {n[C.MISSES]}, "
         f"computes {n[C.COMPUTES]}, coalesced waits {n[C.COALESCED_WAITS]}, takeovers {n[C.TAKEOVERS]}, "
         f"evictions {n[C.EVICTIONS_LRU]} lru + {n[C.EVICTIONS_TTL]} ttl, "
@@ -221,6 +223,16 @@ def _destroy(namespace: str, force: bool) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
+    try:
+        return _show_until_stopped(args)
+    except KeyboardInterrupt:  # Ctrl-C ends --watch
+        return 0
+    except BrokenPipeError:  # `show --watch --json | head`: the reader is gone
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 0
+
+
+def _show_until_stopped(args: argparse.Namespace) -> int:
     while True:
         try:
             snap = take_snapshot(args.namespace, max_entries=args.entries)
@@ -245,7 +257,11 @@ def _serve(args: argparse.Namespace) -> int:
 
     registry = CollectorRegistry()
     registry.register(ShmCacheCollector(args.namespaces or None))
-    start_http_server(args.port, addr=args.host, registry=registry)
+    try:
+        start_http_server(args.port, addr=args.host, registry=registry)
+    except OSError as exc:  # the port is taken, or the host is not an address of this machine
+        print(f"shmcache-inspect: cannot serve on {args.host}:{args.port}: {exc.strerror}", file=sys.stderr)
+        return 1
     print(f"serving shmcache metrics on http://{args.host}:{args.port}/metrics", flush=True)
     try:
         while True:
@@ -290,21 +306,6 @@ def _list(as_json: bool) -> int:
     return 0
 
 
-def _non_negative(kind: type[int] | type[float]) -> Any:
-    """An argparse type: a number of `kind`, 0 or more (a usage error otherwise)."""
-
-    def parse(text: str) -> int | float:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-        if not value >= 0:
-            raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
-        return value
-
-    return parse
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="shmcache-inspect", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -315,8 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     show = sub.add_parser("show", help="one namespace in detail")
     show.add_argument("namespace")
     show.add_argument("--json", action="store_true", help="machine-readable (docs/inspect.md)")
-    show.add_argument("--watch", type=_non_negative(float), metavar="SECONDS", help="repeat every SECONDS")
-    show.add_argument("--entries", type=_non_negative(int), default=None, help="show at most N entries")
+    show.add_argument("--watch", type=at_least(0, float), metavar="SECONDS", help="repeat every SECONDS")
+    show.add_argument("--entries", type=at_least(0), default=None, help="show at most N entries")
     gc = sub.add_parser("gc", help="reap dead processes' records, pins and reservations")
     gc.add_argument("namespace")
     destroy = sub.add_parser("destroy", help="remove a namespace")
@@ -324,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     destroy.add_argument("--force", action="store_true", help="even while processes are attached")
     serve = sub.add_parser("serve-metrics", help="Prometheus metrics over HTTP")
     serve.add_argument("namespaces", nargs="*", help="default: every namespace of this user")
-    serve.add_argument("--port", type=int, default=9464)
+    serve.add_argument("--port", type=at_least(0), default=9464)
     serve.add_argument("--host", default="127.0.0.1")
     args = parser.parse_args(argv)
     if args.command in (None, "list"):

@@ -5,13 +5,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from shmcache.config import CacheConfig
 from shmcache.errors import ArgumentTypeError, InvalidKey, RequestIdTypeError
 from shmcache.keys.key import EmbeddingCacheKey
 from shmcache.node.layout import needle_of
 from shmcache.process.reservation import ReservationTicket
 from shmcache.remote.lease import Lease
 
-__all__ = ["check_callable", "check_keys", "check_request", "check_ticket", "needle"]
+__all__ = ["check_callable", "check_keys", "check_request", "check_ticket", "config_of", "needle"]
 
 
 def check_request(request_id: Any) -> None:
@@ -20,6 +21,19 @@ def check_request(request_id: Any) -> None:
         hash(request_id)
     except TypeError:
         raise RequestIdTypeError(f"request_id must be hashable, got {type(request_id).__name__}") from None
+
+
+def config_of(config: Any) -> CacheConfig:
+    """`config`, or the default `CacheConfig` for None; `ArgumentTypeError` for anything else (a
+    dict of settings, say: `CacheConfig(**settings)` or `CacheConfig.from_stage_config` make one)."""
+    if config is None:
+        return CacheConfig()
+    if not isinstance(config, CacheConfig):
+        raise ArgumentTypeError(
+            f"config must be a CacheConfig, got {type(config).__name__} "
+            "(build one with CacheConfig(**settings) or CacheConfig.from_stage_config(settings))"
+        )
+    return config
 
 
 def check_callable(name: str, function: Any) -> None:

@@ -77,7 +77,7 @@ class EmbeddingCache:
     with `enable_embedding_cache=False`, a pass-through that never touches shared memory."""
 
     def __init__(self, config: CacheConfig | None = None) -> None:
-        self.config = config = config or CacheConfig()
+        self.config = config = arguments.config_of(config)
         self._enabled = config.enable_embedding_cache
         self._forks = _forks  # a cache is its opener's: a forked child must open its own
         self._closed = False

@@ -16,7 +16,7 @@ import os
 import shutil
 import sys
 
-from shmcache.config import is_unicast_ipv4
+from shmcache.config import is_host_port, is_unicast_ipv4
 
 __all__ = ["holder_command", "main"]
 
@@ -30,6 +30,13 @@ def _ipv4(text: str) -> str:
     """`text` if it is a unicast IPv4 address (argparse's type check of --host)."""
     if not is_unicast_ipv4(text):
         raise argparse.ArgumentTypeError(f"not a unicast IPv4 address: {text!r}")
+    return text
+
+
+def _host_port(text: str) -> str:
+    """`text` if it is HOST:PORT (argparse's type check of --master)."""
+    if not is_host_port(text):
+        raise argparse.ArgumentTypeError(f"not HOST:PORT (port 1..65535): {text!r}")
     return text
 
 
@@ -56,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         description="Run the node's Mooncake client (mooncake_client), which holds the node's "
         "segment: copies published by workers attached to it outlive them.",
     )
-    parser.add_argument("--master", required=True, help="the Mooncake master, HOST:PORT")
+    parser.add_argument("--master", type=_host_port, required=True, help="the Mooncake master, HOST:PORT")
     parser.add_argument("--port", type=int, default=50052, help="the port workers attach to (remote_holder)")
     parser.add_argument("--segment", default="4 GB", help='the segment it mounts, e.g. "4 GB"')
     parser.add_argument(

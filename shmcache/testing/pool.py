@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shmcache.config import CacheConfig
+from shmcache.errors import InvalidConfig
 from shmcache.keys.key import EmbeddingCacheKey
 from shmcache.process.cache import EmbeddingCache
 
@@ -208,7 +209,7 @@ class ProcessPool:
         from shmcache.testing.crashes import CRASH_AT, POINTS  # they call back into checkpoint()
 
         if point not in CRASH_AT:
-            raise ValueError(f"point must be one of {POINTS}, got {point!r}")
+            raise InvalidConfig(f"point must be one of {POINTS}, got {point!r}")
         worker = self.spawn(CRASH_AT[point], key)
         self.kill_at(worker, point, timeout)
         return worker

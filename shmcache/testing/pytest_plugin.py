@@ -66,9 +66,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
-def _option(config: pytest.Config, flag: str, ini: str) -> str:
+def _option(config: pytest.Config, flag: str, ini: str, kind: type[int] | type[float]) -> int | float:
+    """The command-line `flag`, else the ini setting `ini`, as a number of `kind`; a usage error
+    naming both when it is not one (a size such as "64M" is not: give it in bytes)."""
     value = config.getoption(flag)
-    return str(value) if value is not None else str(config.getini(ini))
+    text = str(value) if value is not None else str(config.getini(ini))
+    try:
+        return kind(text)
+    except ValueError:
+        raise pytest.UsageError(f"{flag} (ini {ini}) must be of type {kind.__name__}, got {text!r}") from None
 
 
 @pytest.fixture
@@ -102,7 +108,7 @@ def shmcache_namespace(request: pytest.FixtureRequest) -> Iterator[str]:
 @pytest.fixture
 def shmcache_config(shmcache_namespace: str, request: pytest.FixtureRequest) -> CacheConfig:
     """An enabled cache config on the test's namespace."""
-    capacity = int(_option(request.config, "--shmcache-capacity", "shmcache_capacity_bytes"))
+    capacity = int(_option(request.config, "--shmcache-capacity", "shmcache_capacity_bytes", int))
     return CacheConfig(enable_embedding_cache=True, namespace=shmcache_namespace, capacity_bytes=capacity)
 
 
@@ -128,7 +134,7 @@ def shmcache_mooncake() -> Iterator[MooncakeMaster]:
 @pytest.fixture
 def shmcache_pool(shmcache_config: CacheConfig, request: pytest.FixtureRequest) -> Iterator[ProcessPool]:
     """Spawned worker processes attached to the test's cache; all reaped after the test."""
-    timeout = float(_option(request.config, "--shmcache-timeout", "shmcache_timeout"))
+    timeout = float(_option(request.config, "--shmcache-timeout", "shmcache_timeout", float))
     pool = ProcessPool(shmcache_config, timeout)
     yield pool
     pool.shutdown()

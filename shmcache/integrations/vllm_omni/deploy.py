@@ -31,6 +31,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if args.output is None:
         sys.stdout.write(text)
-    else:
+        return 0
+    try:
         args.output.write_text(text)
+    except OSError as exc:
+        print(f"shmcache omni-deploy: cannot write {args.output}: {exc.strerror}", file=sys.stderr)
+        return 1
     return 0

@@ -1,0 +1,23 @@
+"""argparse types of the command-line tools: numbers with a lower bound (a usage error otherwise)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+__all__ = ["at_least"]
+
+
+def at_least(minimum: int, kind: type[int] | type[float] = int) -> Callable[[str], int | float]:
+    """An argparse type: a number of `kind`, `minimum` or more."""
+
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not value >= minimum:  # NaN too
+            raise argparse.ArgumentTypeError(f"must be {minimum} or more, got {text}")
+        return value
+
+    return parse
