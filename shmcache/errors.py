@@ -1,9 +1,12 @@
 """Typed errors. Every error derives from `ShmCacheError` and from the matching builtin.
 
-All of them pickle (they carry only a message), so a worker process can send one back to its parent.
+All of them pickle (they carry a message; `PinLimitReached` may carry a value too), so a worker
+process can send one back to its parent.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 __all__ = [
     "ArgumentTypeError",
@@ -21,6 +24,7 @@ __all__ = [
     "KeyTypeError",
     "LayoutMismatch",
     "LockTimeout",
+    "PinLimitReached",
     "ProtocolViolation",
     "RemoteUnavailable",
     "RequestIdTypeError",
@@ -66,7 +70,10 @@ class CapacityError(ShmCacheError, MemoryError):
 
 class PinLimitReached(CapacityError):
     """This process holds pins on `max_pins_per_process` entries: release requests with
-    `cleanup_request()` or drop returned views."""
+    `cleanup_request()` or drop returned views. Raised by a compute or put whose value was stored
+    but cannot be held for its request, it carries the caller's value as `value` (else None)."""
+
+    value: Any = None
 
 
 class LayoutMismatch(ShmCacheError, ValueError):

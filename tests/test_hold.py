@@ -65,5 +65,8 @@ def test_a_held_namespace_outlives_its_users_and_goes_with_the_holder(namespace:
 )
 def test_a_bad_hold_config_is_refused(fields: dict[str, object], said: bytes, tmp_path: Path) -> None:
     holder = _hold(fields, tmp_path / "ready")
-    _out, err = holder.communicate(timeout=60)
+    try:
+        _out, err = holder.communicate(timeout=60)
+    finally:
+        holder.kill()  # a holder that did not refuse holds until killed
     assert holder.returncode == 2 and said in err and not (tmp_path / "ready").exists()

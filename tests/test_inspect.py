@@ -137,11 +137,20 @@ def test_unknown_namespace_is_a_clear_error(command: list[str], capsys: pytest.C
     assert code == 1 and "does not exist" in err and "destroyed" not in out
 
 
-@pytest.mark.parametrize("option", ["--entries", "--watch"])
-def test_a_negative_count_is_a_usage_error(option: str, capsys: pytest.CaptureFixture[str]) -> None:
-    """Before, `--entries -1` silently dropped the last entry and `--watch -1` raised ValueError."""
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["show", "any", "--entries", "-1"],
+        ["show", "any", "--watch", "-1"],
+        ["show", "any", "--watch", "inf"],
+        ["serve-metrics", "--port", "70000"],
+    ],
+)
+def test_a_count_out_of_range_is_a_usage_error(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """Before, `--entries -1` silently dropped the last entry, `--watch -1` raised ValueError,
+    `--watch inf` and `--port 70000` OverflowError."""
     with pytest.raises(SystemExit) as exited:
-        run_inspect(capsys, "show", "any", option, "-1")
+        run_inspect(capsys, *args)
     assert exited.value.code == 2 and "must be 0 or more" in capsys.readouterr().err
 
 
@@ -240,12 +249,17 @@ def test_watch_ends_quietly_on_ctrl_c_and_when_its_reader_goes(shmcache_config: 
     command += ["--watch", "0.05"]
     with EmbeddingCache(shmcache_config):
         watcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        assert watcher.stdout is not None and watcher.stdout.read(20)  # it runs
-        watcher.send_signal(signal.SIGINT)
-        _out, err = watcher.communicate(timeout=30)
-        assert watcher.returncode == 0 and b"Traceback" not in err
         reader_gone = subprocess.Popen([*command, "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        assert reader_gone.stdout is not None and reader_gone.stdout.read(20)
-        reader_gone.stdout.close()  # as `head` does after its bytes
-        assert reader_gone.wait(30) == 0
-        assert reader_gone.stderr is not None and b"Traceback" not in reader_gone.stderr.read()
+        try:
+            assert watcher.stdout is not None and watcher.stdout.read(20)  # it runs
+            watcher.send_signal(signal.SIGINT)
+            _out, err = watcher.communicate(timeout=30)
+            assert watcher.returncode == 0 and b"Traceback" not in err
+            assert reader_gone.stdout is not None and reader_gone.stdout.read(20)
+            reader_gone.stdout.close()  # as `head` does after its bytes
+            assert reader_gone.wait(30) == 0
+            assert reader_gone.stderr is not None and b"Traceback" not in reader_gone.stderr.read()
+        finally:
+            for process in (watcher, reader_gone):  # a watcher that did not end polls forever
+                process.kill()
+                process.wait()

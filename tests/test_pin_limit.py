@@ -4,12 +4,19 @@ reference that cannot be taken is an error, never silently skipped."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
+import torch
 
 from shmcache import CacheConfig, EmbeddingCache
 from shmcache.errors import PinLimitReached
+from shmcache.integrations.encoder import CachedEncoder
+from shmcache.node.audit import audit
 from shmcache.process import releases
 from shmcache.testing import sample_cache_config
+from tests.encoders import batch, build
+from tests.test_native import node_of
 from tests.workers import expected_value, key_of
 
 PINS = 16  # the smallest limit
@@ -64,8 +71,9 @@ def test_a_request_past_the_pin_limit_is_refused_and_the_value_stays_cached(conf
         names = [f"held{i}" for i in range(PINS)]
         for name in names:
             cache.put(key_of(name), expected_value(name, 16), request_id="held")
-        with pytest.raises(PinLimitReached, match="max_pins_per_process"):
+        with pytest.raises(PinLimitReached, match="max_pins_per_process") as refused:
             cache.get_or_compute(key_of("late"), lambda: expected_value("late", 16), request_id="late")
+        assert torch.equal(refused.value.value, expected_value("late", 16))  # what it computed
         with pytest.raises(PinLimitReached, match="max_pins_per_process"):
             cache.put(key_of("later"), expected_value("later", 16), request_id="late")
         with pytest.raises(PinLimitReached, match="max_pins_per_process"):
@@ -78,3 +86,28 @@ def test_a_request_past_the_pin_limit_is_refused_and_the_value_stays_cached(conf
         assert cache.cleanup_request("held") == PINS
         assert cache.get(key_of("late"), request_id="late") is not None
         assert cache.cleanup_request("late") == 1
+        # a refusal leaves its stripe section cleanly: no repair follows (one did, once the limit's
+        # error became a subclass of CapacityError)
+        assert cache.stats()["repairs"] == 0 and audit(node_of(cache)) == []
+
+
+def test_the_encoder_hook_returns_what_a_request_cannot_hold_and_warns(
+    config: CacheConfig, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A serving engine's forward is not failed by the pin limit: the outputs go out without the
+    request's reference, and a warning says why (before: silently)."""
+    small = sample_cache_config(config.namespace, max_pins_per_process=PINS)
+    with EmbeddingCache(small) as cache:
+        for i in range(PINS):
+            cache.put(key_of(f"held{i}"), expected_value(f"held{i}", 16), request_id="held")
+        encoder = build("whisper")
+        hook = CachedEncoder(
+            cache, encoder, items=encoder.items, preprocessing=encoder.preprocessing(), modality="audio"
+        )
+        args, kwargs = batch("whisper", [1, 2])
+        want = encoder(*args, **kwargs)
+        with caplog.at_level(logging.WARNING, logger="shmcache"), cache.request("r"):
+            got = hook(*args, **kwargs)
+        assert torch.equal(got, want) and cache.cleanup_request("r") == 0
+        assert "without their request's reference" in caplog.text
+        assert cache.cleanup_request("held") == PINS

@@ -50,7 +50,8 @@ def test_releases_that_time_out_on_a_held_stripe_are_kept_and_done_later(
                 cache.cleanup_request("r")
             assert cache.stats()["references"] == 3  # the view pins, "a"'s ref: `other`'s ref went
             del views  # "a"'s pin waits for the stripe in the release thread, `other`'s goes
-            time.sleep(1.0)  # a few tries, each timing out
+            wait_for(lambda: cache.stats()["references"] == 2, what="the other stripe's view pin released")
+            time.sleep(1.0)  # more tries, each timing out
             assert cache.stats()["references"] == 2
         finally:
             kill(victim)

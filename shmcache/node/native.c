@@ -977,7 +977,10 @@ static PyObject *Index_release(Index *ix, PyObject *arg) {
         }
     }
     while (i < n) {
-        release_item(ix, PyTuple_GET_ITEM(pins, i), &slot, &gen, &count_);
+        if (release_item(ix, PyTuple_GET_ITEM(pins, i), &slot, &gen, &count_) < 0) {
+            detached = ix->row < 0; /* another thread detached while we waited on a stuck stripe */
+            goto error;
+        }
         Py_ssize_t stripe = slot / ix->ways, end = i + 1; /* this stripe's run: [i, end) */
         while (end < n && PyLong_AsSsize_t(PyTuple_GET_ITEM(PyTuple_GET_ITEM(pins, end), 0)) / ix->ways == stripe) {
             end++;

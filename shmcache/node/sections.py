@@ -54,8 +54,10 @@ class Section:
         crashpoints.reached(self._point)
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        # CapacityError is only raised before a section writes anything: that exit is clean too
-        self._owner.leave(self._lock, self._held_off, clean=exc_type is None or exc_type is CapacityError)
+        # CapacityError (PinLimitReached too) is only raised before a section writes anything:
+        # that exit is clean too
+        clean = exc_type is None or (isinstance(exc_type, type) and issubclass(exc_type, CapacityError))
+        self._owner.leave(self._lock, self._held_off, clean=clean)
 
 
 class Sections:

@@ -228,7 +228,8 @@ def _show(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # Ctrl-C ends --watch
         return 0
     except BrokenPipeError:  # `show --watch --json | head`: the reader is gone
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        if sys.__stdout__ is not None and sys.stdout is sys.__stdout__:  # the command's own: no
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.__stdout__.fileno())  # second error at exit
         return 0
 
 
@@ -316,7 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     show = sub.add_parser("show", help="one namespace in detail")
     show.add_argument("namespace")
     show.add_argument("--json", action="store_true", help="machine-readable (docs/inspect.md)")
-    show.add_argument("--watch", type=at_least(0, float), metavar="SECONDS", help="repeat every SECONDS")
+    show.add_argument(
+        "--watch", type=at_least(0, float, at_most=86400), metavar="SECONDS", help="repeat every SECONDS"
+    )
     show.add_argument("--entries", type=at_least(0), default=None, help="show at most N entries")
     gc = sub.add_parser("gc", help="reap dead processes' records, pins and reservations")
     gc.add_argument("namespace")
@@ -325,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     destroy.add_argument("--force", action="store_true", help="even while processes are attached")
     serve = sub.add_parser("serve-metrics", help="Prometheus metrics over HTTP")
     serve.add_argument("namespaces", nargs="*", help="default: every namespace of this user")
-    serve.add_argument("--port", type=at_least(0), default=9464)
+    serve.add_argument("--port", type=at_least(0, at_most=65535), default=9464)
     serve.add_argument("--host", default="127.0.0.1")
     args = parser.parse_args(argv)
     if args.command in (None, "list"):

@@ -14,7 +14,14 @@ from collections.abc import Sequence
 from typing import Final
 
 from shmcache.config import CacheConfig
-from shmcache.errors import CapacityError, ComputeFailed, ComputeTimeout, InvalidKey, SemaphoreTimeout
+from shmcache.errors import (
+    CapacityError,
+    ComputeFailed,
+    ComputeTimeout,
+    InvalidKey,
+    PinLimitReached,
+    SemaphoreTimeout,
+)
 from shmcache.format import entry, values
 from shmcache.format.values import Value
 from shmcache.gpu.side import DeviceSide
@@ -249,7 +256,11 @@ class Claims:
     def _hand_out(self, reservation: Reservation, value: Value, sealed: SealedEntry, *, view: bool) -> Value:
         request_id = reservation.request_id
         if not sealed.pinned:  # stored for everyone; this process was out of pin records
-            pinned = self._views.pin_late(sealed, request_id, self._pins(request_id, view))
+            try:
+                pinned = self._views.pin_late(sealed, request_id, self._pins(request_id, view))
+            except PinLimitReached as exc:
+                exc.value = value  # the caller keeps what it computed
+                raise
             if pinned is None:
                 return value  # it keeps its own value
             sealed = pinned

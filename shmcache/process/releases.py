@@ -92,8 +92,9 @@ class Releases:
         """Release the queued pins of dead views now, in this thread, not after the release
         thread's pause (they may be what keeps the arena full); True if a batch was released
         since the call (by us, or by the thread while we waited for it). Nothing once closing:
-        the release that leaves no live view detaches, which is the thread's or `flush`'s to do."""
-        if self.closing:
+        the release that leaves no live view detaches, which is the thread's or `flush`'s to do.
+        Nothing queued and no batch being released: False at once, without waiting."""
+        if self.closing or (self._queue.empty() and not self._releasing.locked()):
             return False
         before = self._batches
         self._release_queued()

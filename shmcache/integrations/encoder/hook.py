@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from shmcache.errors import ArgumentTypeError, CapacityError, ConfigTypeError, InvalidKey
+from shmcache.errors import ArgumentTypeError, CapacityError, ConfigTypeError, InvalidKey, PinLimitReached
 from shmcache.format.values import Value
 from shmcache.integrations.encoder.items import ItemCall, ItemLayout
 from shmcache.keys.key import MODALITIES, EmbeddingCacheKey, Modality
@@ -35,6 +37,23 @@ from shmcache.process.reservation import RequestId, Reservation
 from shmcache.process.scope import current_request
 
 __all__ = ["CachedEncoder"]
+
+
+log = logging.getLogger("shmcache")
+
+
+_pins_warned = threading.Event()  # set once the warning below was given
+
+
+def _pins_warning() -> None:
+    """Warn once per process that items went out without their request's reference: the process
+    holds pins on `max_pins_per_process` entries."""
+    if not _pins_warned.is_set():
+        _pins_warned.set()
+        log.warning(
+            "shmcache: encoder outputs returned without their request's reference: this process holds "
+            "pins on max_pins_per_process entries (raise it, or clean requests up sooner)"
+        )
 
 
 class CachedEncoder:
@@ -122,7 +141,13 @@ class CachedEncoder:
         if ours:
             self._compute(call, ours, outputs)
         for i in elsewhere:  # computed by another process: wait for it (or take it over)
-            outputs[i] = self.cache.get_or_compute(keys[i], functools.partial(self._one, call, i), request_id)
+            try:
+                outputs[i] = self.cache.get_or_compute(
+                    keys[i], functools.partial(self._one, call, i), request_id
+                )
+            except PinLimitReached as exc:  # a request is never failed by the cache
+                _pins_warning()
+                outputs[i] = exc.value if exc.value is not None else self._one(call, i)
 
     def _compute(self, call: ItemCall, ours: dict[int, Reservation], outputs: list[Value | None]) -> None:
         """One encoder call over the items reserved here; each output committed as computed. On
@@ -136,7 +161,9 @@ class CachedEncoder:
             for i, result in zip(items, results, strict=True):
                 try:
                     outputs[i] = ours[i].commit(result, view=False)
-                except CapacityError:  # too large to cache: returned all the same
+                except CapacityError as exc:  # too large to cache, or not held: returned all the same
+                    if isinstance(exc, PinLimitReached):
+                        _pins_warning()
                     outputs[i] = result
 
     def _one(self, call: ItemCall, i: int) -> Any:
