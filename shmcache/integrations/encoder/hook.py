@@ -113,7 +113,11 @@ class CachedEncoder:
             for tensor in call.keys
         ]
         request_id = current_request()
-        outputs: list[Value | None] = list(self.cache.get_many(keys, request_id))
+        try:
+            outputs: list[Value | None] = list(self.cache.get_many(keys, request_id))
+        except PinLimitReached:  # nothing is held yet: this forward runs without the cache
+            _pins_warning()
+            return self.encoder(*args, **kwargs)
         missing = [i for i, value in enumerate(outputs) if value is None]
         if missing:
             self._fill(call, keys, outputs, missing, request_id)
