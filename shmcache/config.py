@@ -23,6 +23,7 @@ __all__ = [
     "MIN_PINS",
     "NAMESPACE_PATTERN",
     "CacheConfig",
+    "is_host_port",
     "is_unicast_ipv4",
 ]
 

@@ -1,4 +1,4 @@
-"""argparse types of the command-line tools: numbers with a lower bound (a usage error otherwise)."""
+"""argparse types of the command-line tools: numbers within bounds (a usage error otherwise)."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ from typing import Any, Final, NamedTuple
 import numpy as np
 
 from shmcache.config import CacheConfig
-from shmcache.errors import CapacityError, CorruptValue, ViewMutated
+from shmcache.errors import CorruptValue, PinLimitReached, ViewMutated
 from shmcache.format import decode, entry
 from shmcache.format.values import Value
 from shmcache.gpu.record import GpuRecord
@@ -98,12 +98,12 @@ class Views:
         """For a seal that found this process out of pin records (`sealed.pinned` False): take the
         `pins` it asked for now (`add_ref` releases the dead views' pins first); the entry
         pinned, or None (the caller keeps its own value) if it left meanwhile or, without a
-        request, there are still none. `CapacityError` if a request asked to hold it and there
+        request, there are still none. `PinLimitReached` if a request asked to hold it and there
         are none (before, its reference was silently not taken)."""
         try:
             if self._node.add_ref(sealed.slot, sealed.gen, pins):
                 return sealed._replace(pinned=True)
-        except CapacityError:
+        except PinLimitReached:
             if request_id is not None:
                 raise
         return None

@@ -29,7 +29,8 @@ from __future__ import annotations
 import contextlib
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import pytest
 
@@ -39,6 +40,8 @@ from shmcache.kernel.namespace import destroy_namespace
 from shmcache.process.cache import EmbeddingCache, open_caches
 from shmcache.testing.mooncake import MooncakeMaster
 from shmcache.testing.pool import ProcessPool, namespace_objects
+
+T = TypeVar("T")
 
 __all__ = [
     "shmcache_cache",
@@ -66,7 +69,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
-def _option(config: pytest.Config, flag: str, ini: str, kind: type[int] | type[float]) -> int | float:
+def _option(config: pytest.Config, flag: str, ini: str, kind: Callable[[str], T]) -> T:
     """The command-line `flag`, else the ini setting `ini`, as a number of `kind`; a usage error
     naming both when it is not one (a size such as "64M" is not: give it in bytes)."""
     value = config.getoption(flag)
@@ -74,7 +77,8 @@ def _option(config: pytest.Config, flag: str, ini: str, kind: type[int] | type[f
     try:
         return kind(text)
     except ValueError:
-        raise pytest.UsageError(f"{flag} (ini {ini}) must be of type {kind.__name__}, got {text!r}") from None
+        name = getattr(kind, "__name__", "a number")
+        raise pytest.UsageError(f"{flag} (ini {ini}) must be of type {name}, got {text!r}") from None
 
 
 @pytest.fixture
@@ -108,7 +112,7 @@ def shmcache_namespace(request: pytest.FixtureRequest) -> Iterator[str]:
 @pytest.fixture
 def shmcache_config(shmcache_namespace: str, request: pytest.FixtureRequest) -> CacheConfig:
     """An enabled cache config on the test's namespace."""
-    capacity = int(_option(request.config, "--shmcache-capacity", "shmcache_capacity_bytes", int))
+    capacity = _option(request.config, "--shmcache-capacity", "shmcache_capacity_bytes", int)
     return CacheConfig(enable_embedding_cache=True, namespace=shmcache_namespace, capacity_bytes=capacity)
 
 
@@ -134,7 +138,7 @@ def shmcache_mooncake() -> Iterator[MooncakeMaster]:
 @pytest.fixture
 def shmcache_pool(shmcache_config: CacheConfig, request: pytest.FixtureRequest) -> Iterator[ProcessPool]:
     """Spawned worker processes attached to the test's cache; all reaped after the test."""
-    timeout = float(_option(request.config, "--shmcache-timeout", "shmcache_timeout", float))
+    timeout = _option(request.config, "--shmcache-timeout", "shmcache_timeout", float)
     pool = ProcessPool(shmcache_config, timeout)
     yield pool
     pool.shutdown()
