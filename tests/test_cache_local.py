@@ -69,6 +69,15 @@ def test_get_put_get_or_compute(config: CacheConfig, pconfig: EncoderPreprocessi
         assert stats["hits_node"] + stats["hits_process"] == 2
 
 
+def test_a_put_is_not_counted_as_a_lookup(config: CacheConfig, pconfig: EncoderPreprocessingConfig) -> None:
+    with EmbeddingCache(config) as cache:
+        cache.put(key(pconfig, "new"), torch.ones(2))  # a new key: stored, not a miss
+        cache.put(key(pconfig, "new"), torch.zeros(2))  # an existing key: kept, not a hit
+        assert cache.get(key(pconfig, "absent")) is None  # a lookup: one miss
+        stats = cache.stats()
+        assert (stats["puts"], stats["misses"], stats["hits_node"] + stats["hits_process"]) == (1, 1, 0)
+
+
 def test_every_value_type_through_the_cache(config: CacheConfig, pconfig: EncoderPreprocessingConfig) -> None:
     values = {
         "tensor": torch.randn(4, 5).t(),

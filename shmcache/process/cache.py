@@ -156,7 +156,7 @@ class EmbeddingCache:
             return
         arguments.check_request(request_id)
         self._index()
-        res = self._claims.claim(key, self._needle(key), request_id, wait=False, count_hits=False)
+        res = self._claims.claim(key, self._needle(key), request_id, wait=False, counted=False)
         if res is not None and res.value is None and res.cached:
             res.commit(value, view=False)
             return

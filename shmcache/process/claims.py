@@ -28,7 +28,7 @@ from shmcache.gpu.side import DeviceSide
 from shmcache.keys.key import EmbeddingCacheKey
 from shmcache.node.index import NodeIndex
 from shmcache.node.layout import Counter, key_meta, needle_of
-from shmcache.node.reservations import ClaimKind
+from shmcache.node.reservations import Claim, ClaimKind
 from shmcache.node.slots import FailureKind, SealedEntry
 from shmcache.process.requests import RequestRefs
 from shmcache.process.reservation import RequestId, Reservation, ReservationTicket
@@ -63,14 +63,15 @@ class Claims:
         request_id: RequestId | None,
         *,
         wait: bool,
-        count_hits: bool = True,
+        counted: bool = True,
         pull: bool = False,
     ) -> Reservation | None:
         """The value of `key` (as a settled reservation), or our reservation of it, or an uncached
         one when no slot is free; None if another process holds it and `wait` is off. With
-        `pull`, a node miss is first looked up in the remote store, under our reservation."""
+        `pull`, a node miss is first looked up in the remote store, under our reservation. With
+        `counted` off (a `put`, not a lookup) neither a hit nor a miss is counted."""
         node = self._node
-        local = self._views.repeat_hit(needle, key, request_id, count=count_hits)
+        local = self._views.repeat_hit(needle, key, request_id, count=counted)
         if local is not None:
             return Reservation(self, key, request_id, value=local)
         deadline = time.monotonic() + self._config.compute_timeout_s
@@ -79,14 +80,12 @@ class Claims:
         while True:
             claim = node.reserve(needle, meta, pins)
             if claim.kind is ClaimKind.HIT:
-                hit = self._hit(claim.hit, key, needle, request_id, count=count_hits)
+                hit = self._hit(claim.hit, key, needle, request_id, count=counted)
                 if hit is not None:
                     return hit
                 continue  # a damaged entry was dropped: look again
             if claim.kind is ClaimKind.OWNER:
-                node.count(Counter.MISSES)
-                ours = Reservation(self, key, request_id, slot=claim.slot, gen=claim.gen)
-                settled = self._pulled(ours) if pull else ours
+                settled = self._owned(claim, key, request_id, pull=pull, counted=counted)
                 if settled is not None:
                     return settled
                 pull = False  # the pull ended our reservation (set aside): look again, no pull
@@ -154,6 +153,15 @@ class Claims:
                     res.withdraw()
             raise
         return claims
+
+    def _owned(
+        self, claim: Claim, key: EmbeddingCacheKey, request_id: RequestId | None, *, pull: bool, counted: bool
+    ) -> Reservation | None:
+        """Our reservation of a node miss (a miss if `counted`), `_pulled` first with `pull`."""
+        if counted:
+            self._node.count(Counter.MISSES)
+        ours = Reservation(self, key, request_id, slot=claim.slot, gen=claim.gen)
+        return self._pulled(ours) if pull else ours
 
     def _pulled(self, res: Reservation) -> Reservation | None:
         """Our reservation of a node miss, or the value the remote store had for it (one pull
