@@ -29,6 +29,7 @@ from shmcache.node.layout import ATTACHMENT_SIZE, needle_of
 from shmcache.node.slots import SealedEntry
 from shmcache.ops.inspect import render
 from shmcache.ops.snapshot import take_snapshot
+from shmcache.process.stats import occupancy
 from tests import workers
 from tests.helpers import kill, spawn, wait_for
 from tests.workers import FAKE_GPU_UUID, FAKE_IPC_HANDLE, expected_value, fingerprint, key_of
@@ -105,8 +106,14 @@ def test_exporter_death_falls_back_to_the_host_copy_and_the_entry_survives(
             assert side.reader() is None  # this process never initialised CUDA: it reads host copies
             monkeypatch.setattr(side, "reader", lambda: _reader(0))  # as if it ran on the exporter's GPU
             assert side.route(info) is Route.ALIAS
-            assert cache.stats()["gpu_entries"] == 1
             snap = take_snapshot(config.namespace)
+            stats = cache.stats()
+            assert (stats["gpu_entries"], stats["gpu_bytes"]) == (1, info.size)
+            assert {
+                name: snap.stats[name] for name in occupancy(cache._node.slots, cache._node.attachments)
+            } == {
+                name: stats[name] for name in occupancy(cache._node.slots, cache._node.attachments)
+            }  # `show --json` reads what stats() reads
             assert snap.entries[0].gpu == {
                 "device_uuid": FAKE_GPU_UUID.hex(),
                 "exporter_pid": pid,
@@ -168,19 +175,22 @@ def test_records_of_earlier_generations_are_ignored(config: CacheConfig, tmp_pat
         info = _slot_info(cache, "gpu-frame")
         assert GpuRecord.from_attachment(node.attachments.get(info.slot, info.gen)) is not None
         assert GpuRecord.from_attachment(node.attachments.get(info.slot, info.gen + 1)) is None
-        assert live_mask(node)[info.slot] and int(live_mask(node).sum()) == 1
+        assert (
+            live_mask(node.slots, node.attachments)[info.slot]
+            and int(live_mask(node.slots, node.attachments).sum()) == 1
+        )
         assert not withdraw_record(node, info.slot, info.gen + 1)  # no record of that generation
         assert withdraw_record(node, info.slot, info.gen)
         withdrawn = GpuRecord.from_attachment(node.attachments.get(info.slot, info.gen))
         assert withdrawn is not None and withdrawn.withdrawn
-        assert not live_mask(node).any()
+        assert not live_mask(node.slots, node.attachments).any()
         assert cache.stats()["gpu_entries"] == 0
         assert "withdrawn" in render(take_snapshot(config.namespace))
         node.drop(info.slot, info.gen)  # the slot's next generation is a CPU entry
         cache.put(key_of("gpu-frame"), expected_value("gpu-frame"))
         again = _slot_info(cache, "gpu-frame")
         assert again.gen > info.gen and GpuRecord.from_attachment(again.attachment) is None
-        assert not live_mask(node).any()
+        assert not live_mask(node.slots, node.attachments).any()
 
 
 def test_exports_are_freed_when_their_entry_leaves_and_withdrawn_lru_first(config: CacheConfig) -> None:

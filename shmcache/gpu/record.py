@@ -24,7 +24,9 @@ from shmcache.node.clients import ClientIdentity
 from shmcache.node.layout import ATTACHMENT_SIZE
 
 if TYPE_CHECKING:
+    from shmcache.node.attachments import AttachmentTable
     from shmcache.node.index import NodeIndex
+    from shmcache.node.slots import SlotTable
 
 __all__ = [
     "GPU_HEAD_DTYPE",
@@ -118,11 +120,11 @@ def withdraw_record(node: NodeIndex, slot: int, gen: int) -> bool:
     return node.update_attachment(slot, gen, update) and withdrawn
 
 
-def live_mask(node: NodeIndex) -> np.ndarray:
+def live_mask(slots: SlotTable, attachments: AttachmentTable) -> np.ndarray:
     """Boolean array over slots: the slot's current generation has a GPU record that is not
     withdrawn (read without a lock, for statistics)."""
-    table = node.attachments.table(GPU_HEAD_DTYPE)
+    table = attachments.table(GPU_HEAD_DTYPE)
     live: np.ndarray = (
-        (table["gen"] == node.slots.array["gen"]) & (table["flags"] & _WITHDRAWN == 0) & (table["gen"] > 0)
+        (table["gen"] == slots.array["gen"]) & (table["flags"] & _WITHDRAWN == 0) & (table["gen"] > 0)
     )
     return live

@@ -81,7 +81,8 @@ def _summary(snap: NamespaceSnapshot) -> list[str]:
         f"remote: hits {n[C.HITS_REMOTE]}, published {n[C.REMOTE_PUBLISHES]}, "
         f"dropped {n[C.REMOTE_PUBLISH_DROPS]}, errors {n[C.REMOTE_ERRORS]}, "
         f"rejected {n[C.REMOTE_REJECTED]}",
-        f"gpu: entries {s['gpu_entries']}, exports {n[C.GPU_EXPORTS]} (skipped {n[C.GPU_EXPORT_SKIPS]}), "
+        f"gpu: entries {s['gpu_entries']} ({_size(s['gpu_bytes'])}), "
+        f"exports {n[C.GPU_EXPORTS]} (skipped {n[C.GPU_EXPORT_SKIPS]}), "
         f"hits {n[C.GPU_HITS_ALIAS]} alias + {n[C.GPU_HITS_PEER]} peer + "
         f"{n[C.GPU_HITS_HOST_COPY]} host copy, dead exporters seen {n[C.GPU_DEAD_EXPORTER]}",
     ]

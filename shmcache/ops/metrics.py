@@ -61,6 +61,7 @@ _GAUGES = {
     "references": "Pins and request references held",
     "clients": "Live attached processes",
     "gpu_entries": "Sealed entries with a device-copy record not withdrawn (exporter alive or not)",
+    "gpu_bytes": "Bytes held by those entries (their host copies' size)",
 }
 
 

@@ -46,6 +46,7 @@ from shmcache.node.layout import (
 )
 from shmcache.node.pins import PinTable
 from shmcache.node.slots import SealedEntry, SlotRecord, SlotState, SlotTable
+from shmcache.process.stats import occupancy
 
 __all__ = [
     "SCHEMA_FILE",
@@ -58,7 +59,7 @@ __all__ = [
     "take_snapshot",
 ]
 
-SNAPSHOT_SCHEMA_VERSION = 2  # 2: entries carry `gpu`
+SNAPSHOT_SCHEMA_VERSION = 3  # 2: entries carry `gpu`; 3: stats carry `gpu_entries`, `gpu_bytes`
 SCHEMA_FILE = "inspect_schema.json"  # package data of shmcache.ops, beside this module
 
 
@@ -269,24 +270,18 @@ class _Index:
             )
         return out
 
-    def scan(self, arena: mmap.mmap | None, now: float) -> tuple[list[EntryInfo], list[ReservationInfo], int]:
-        """Every non-empty slot decoded: the entries, the reservations in flight, and how many sealed
-        entries have a device copy that is not withdrawn."""
+    def scan(self, arena: mmap.mmap | None, now: float) -> tuple[list[EntryInfo], list[ReservationInfo]]:
+        """Every non-empty slot decoded: the entries and the reservations in flight."""
         entries: list[EntryInfo] = []
         reservations: list[ReservationInfo] = []
-        gpu_entries = 0
         for found in np.nonzero(self.slots.array["state"] != SlotState.EMPTY)[0]:
             slot = int(found)
             record, _valid = self.slots.raw(slot)
             if record.state == SlotState.RESERVED:
                 reservations.append(self.reservation(slot, self.key(slot)[1], record.gen))
-                continue
-            entry = self.entry(slot, record, arena, now)
-            gpu_entries += (
-                record.state == SlotState.SEALED and entry.gpu is not None and not entry.gpu["withdrawn"]
-            )
-            entries.append(entry)
-        return entries, reservations, gpu_entries
+            else:
+                entries.append(self.entry(slot, record, arena, now))
+        return entries, reservations
 
     def entry(self, slot: int, record: SlotRecord, arena: mmap.mmap | None, now: float) -> EntryInfo:
         """The sealed or stale entry of `slot` (its value described from `arena`), as seen at `now`."""
@@ -312,20 +307,10 @@ class _Index:
             gpu=self.gpu(slot, record.gen),
         )
 
-    def stats(self, gpu_entries: int) -> dict[str, int]:
-        """The node-wide counter totals, with the slot table's and the liveness figures added."""
-        slots = self.slots.array
+    def stats(self) -> dict[str, int]:
+        """The node-wide counter totals, with the slot table's occupancy and the live clients."""
         stats = self.counters.totals(self.clients.claimed())
-        sealed = slots["state"] == SlotState.SEALED
-        stats.update(
-            entries=int(sealed.sum()),
-            bytes=int(slots["size"][sealed].sum()),
-            reserved=int((slots["state"] == SlotState.RESERVED).sum()),
-            stale=int((slots["state"] == SlotState.STALE).sum()),
-            references=int(slots["refcount"].sum()),
-            clients=int(self.client_alive.sum()),
-            gpu_entries=gpu_entries,
-        )
+        stats.update(occupancy(self.slots, self.attachments), clients=int(self.client_alive.sum()))
         return stats
 
     def settings(self) -> dict[str, Any]:
@@ -363,14 +348,14 @@ def take_snapshot(
     now = time.monotonic()
     arena = _map_readonly(names.arena_path, uid, "arena segment")
     try:
-        entries, reservations, gpu_entries = node.scan(arena, now)
+        entries, reservations = node.scan(arena, now)
     finally:
         if arena is not None:
             arena.close()
     entries.sort(key=lambda e: -e.size_bytes)
     if max_entries is not None:
         entries = entries[:max_entries]
-    stats = node.stats(gpu_entries)
+    stats = node.stats()
     slots = node.slots.array
     return NamespaceSnapshot(
         namespace=namespace,
