@@ -3,7 +3,7 @@ request's items (tests/test_vllm_engines.py runs whole engines)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pytest
@@ -18,7 +18,10 @@ from shmcache import CacheConfig, EmbeddingCache
 from shmcache.integrations.vllm import ShmCacheECConnector
 from shmcache.integrations.vllm.scheduler import SchedulerSide
 from shmcache.integrations.vllm.settings import KeyMaker
-from shmcache.testing import sample_preprocessing
+from shmcache.remote.lease import LEASE_SUFFIX
+from shmcache.remote.store import remote_key
+from shmcache.testing import MooncakeMaster, sample_preprocessing
+from tests.test_remote import remote_config
 from tests.vllm.model import build_tiny_llava
 from tests.workers import expected_value
 
@@ -129,3 +132,32 @@ def test_the_connector_reserves_only_for_an_engine_that_stores(
         assert connector._cache.stats()["reserved"] == 0
     finally:
         connector.shutdown()
+
+
+def test_an_engine_that_does_not_store_takes_no_cross_node_lease_and_waits_for_one(
+    shmcache_mooncake: MooncakeMaster, shmcache_namespace: str, other_namespace: str
+) -> None:
+    """`ec_consumer` with a remote store: it computes its misses alone, so a lease it took would
+    only make other nodes wait for it (before the fix: one taken per miss, and here left in the
+    store, since a lease within `RELEASE_MARGIN_S` of its deadline is never removed)."""
+    config = remote_config(shmcache_namespace, shmcache_mooncake.address, compute_timeout_s=1.0)
+    keys = KeyMaker(sample_preprocessing(), config)
+
+    with (
+        EmbeddingCache(config) as cache,
+        EmbeddingCache(replace(config, namespace=other_namespace, compute_timeout_s=60.0)) as other,
+    ):
+
+        def lease_of(identifier: str) -> bytes | None:
+            assert cache._bridge is not None
+            name = remote_key(config.remote_key_prefix, keys(identifier, "image"))
+            return cache._bridge.store.get_bytes(name + LEASE_SUFFIX)
+
+        side = SchedulerSide(cache, keys, stores=False)
+        assert side.ensure(_request("r1", "free"), 0)  # computed by this engine alone
+        assert lease_of("free") is None and cache.stats()["reserved"] == 0
+        [busy] = other.try_reserve_many([keys("busy", "image")])  # another node computes "busy"
+        assert busy is not None and busy.owned and lease_of("busy") is not None
+        assert not side.ensure(_request("r2", "busy"), 0)  # this engine waits for its value
+        busy.abandon()
+        side.close()

@@ -223,15 +223,19 @@ class EmbeddingCache:
         return self._claims.claim(key, self._needle(key), request_id, wait=False)
 
     def try_reserve_many(
-        self, keys: Sequence[EmbeddingCacheKey], request_id: RequestId | None = None
+        self, keys: Sequence[EmbeddingCacheKey], request_id: RequestId | None = None, *, lease: bool = True
     ) -> list[Reservation | None]:
-        """`try_reserve` of a request's items, for their computer: node misses pulled in one batch."""
+        """`try_reserve` of a request's items, for their computer: node misses pulled in one batch,
+        the rest leased across nodes (single flight). With `lease` off (a caller that computes for
+        itself alone and gives its reservations back) no lease is taken; a key another node has
+        leased is still None."""
         arguments.check_keys(keys)
         if not self._enabled:
             return [Reservation(None, key, request_id) for key in keys]
         arguments.check_request(request_id)
         self._index()
-        return self._claims.claim_many(keys, arguments.needles(keys, self.config.hash_algorithm), request_id)
+        needles = arguments.needles(keys, self.config.hash_algorithm)
+        return self._claims.claim_many(keys, needles, request_id, lease=lease)
 
     def adopt(
         self, ticket: ReservationTicket, key: EmbeddingCacheKey, request_id: RequestId | None = None

@@ -122,11 +122,17 @@ class Claims:
         return None if value is None else Reservation(self, key, request_id, value=value)
 
     def claim_many(
-        self, keys: Sequence[EmbeddingCacheKey], needles: Sequence[bytes], request_id: RequestId | None
+        self,
+        keys: Sequence[EmbeddingCacheKey],
+        needles: Sequence[bytes],
+        request_id: RequestId | None,
+        *,
+        lease: bool = True,
     ) -> list[Reservation | None]:
         """`claim` of every key without waiting; then the node misses we own are pulled from the
-        remote store in one batch (under their reservations), and the rest leased (single flight):
-        one another node is computing is given back (None, as for a key another process holds)."""
+        remote store in one batch (under their reservations), and the rest leased (single flight;
+        with `lease` off only looked at): one another node is computing is given back (None, as
+        for a key another process holds)."""
         claims: list[Reservation | None] = []
         owned: dict[int, Reservation] = {}
         bridge = self.bridge
@@ -144,7 +150,7 @@ class Claims:
                     claims[i] = None  # no longer ours, not a value for us: as a key another process holds
                 elif value is not None:
                     claims[i] = Reservation(None, keys[i], request_id, value=value)
-                elif not bridge.lease_now(owned[i]):
+                elif not bridge.lease_now(owned[i], take=lease):
                     owned[i].withdraw()  # another node computes it: wait for it on the blocking path
                     claims[i] = None
         except BaseException:  # what we reserved goes back unused (waiters look again, no failure)

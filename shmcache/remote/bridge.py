@@ -218,12 +218,15 @@ class RemoteBridge:
             self._leases[(reservation.slot, reservation.gen)] = lease.Lease(name, token)
         return value
 
-    def lease_now(self, reservation: Reservation) -> bool:
+    def lease_now(self, reservation: Reservation, *, take: bool = True) -> bool:
         """For a node miss the store did not have, on the batch path: with cross-node single flight
-        on, take its lease without waiting; False if another node holds it (computing it)."""
+        on, take its lease without waiting; False if another node holds it (computing it). With
+        `take` off (a caller computing for itself alone) only look: no lease is taken."""
         if not self._single_flight or not self.store.available:
             return True
         name = remote_key(self._prefix, reservation.key)
+        if not take:
+            return not lease.held_elsewhere(self.store, name, self._node_tag)
         token = lease.try_hold(self.store, name, self._lease_s, self._node_tag)
         if token is None:
             return False

@@ -33,6 +33,8 @@ node reservation of a key and found no copy in the store:
 
 `try_reserve_many` (the encoder hook's batch path) takes leases without waiting (`try_hold`): a
 key whose lease another node holds is given back by our node and waited for on the blocking path.
+A caller that computes for itself alone and stores nothing (a vLLM `ec_consumer` engine) only
+looks (`held_elsewhere`): it waits for another node's live lease and takes none of its own.
 
 Any store error means "compute": node-local exactly-once never depends on the lease.
 """
@@ -50,7 +52,7 @@ import xxhash
 from shmcache.format.values import Value
 from shmcache.remote.store import RemoteStore
 
-__all__ = ["LEASE_SUFFIX", "Lease", "hold_or_wait", "node_tag", "release", "try_hold"]
+__all__ = ["LEASE_SUFFIX", "Lease", "held_elsewhere", "hold_or_wait", "node_tag", "release", "try_hold"]
 
 LEASE_SUFFIX: Final = "@lease"
 POLL_S: Final = 0.05
@@ -139,6 +141,13 @@ def try_hold(store: RemoteStore, name: str, timeout_s: float, node: str) -> byte
         if _waits(held, node):
             return None
     return None
+
+
+def held_elsewhere(store: RemoteStore, name: str, node: str) -> bool:
+    """Whether another node holds a live lease of `name` (one look, nothing taken). `node` is our
+    node's tag. Any store error means no."""
+    held = store.get_bytes(name + LEASE_SUFFIX)
+    return held is not None and _waits(held, node)
 
 
 def _read(store: RemoteStore, lease: str) -> bytes | None:

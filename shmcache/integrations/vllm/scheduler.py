@@ -74,8 +74,8 @@ class SchedulerSide:
         them. The node misses (each distinct item once) are claimed in one call, which with a
         remote store configured pulls those the store has (one batch; the item is then sealed on
         the node, and held for this step like a `has_item` answer) and takes the cross-node lease
-        of the rest. An engine that does not store gives its claims straight back: it computes
-        those items alone, and nobody waits for it."""
+        of the rest. An engine that does not store takes no lease and gives its claims straight
+        back: it computes those items alone, and nobody waits for it."""
         todo: dict[str, None] = {}  # the distinct items to claim, in order
         for feature in request.mm_features:
             if feature.mm_position.offset + feature.mm_position.length <= num_computed_tokens:
@@ -86,7 +86,8 @@ class SchedulerSide:
                 todo[identifier] = None
         if not todo:
             return True
-        claims = dict(zip(todo, self._cache.try_reserve_many([self.key(i) for i in todo]), strict=True))
+        wanted = [self.key(i) for i in todo]  # an engine that does not store takes no cross-node lease
+        claims = dict(zip(todo, self._cache.try_reserve_many(wanted, lease=self._stores), strict=True))
         owned = {identifier: res for identifier, res in claims.items() if res is not None and res.owned}
         deferred = any(res is None for res in claims.values())  # another computes one: wait for it
         if deferred or not self._stores:  # holding nothing; an engine that does not store computes alone
