@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import multiprocessing as mp
 import os
 import signal
@@ -25,9 +26,16 @@ __all__ = [
     "pages_present",
     "physical_page",
     "sealed_slot",
+    "settle",
     "spawn",
     "wait_for",
 ]
+
+
+def settle() -> None:
+    """Let dropped views release their pins (the release thread batches for a few ms)."""
+    gc.collect()
+    time.sleep(0.05)
 
 
 def spawn(target: Callable[..., Any], *args: Any) -> mp.process.BaseProcess:

@@ -34,14 +34,8 @@ from shmcache.node.layout import needle_of
 from shmcache.node.slots import SealedEntry
 from shmcache.testing import sample_cache_config
 from tests import workers
-from tests.helpers import kill, spawn, wait_for
+from tests.helpers import kill, settle, spawn, wait_for
 from tests.workers import expected_value, key_of
-
-
-def settle() -> None:
-    """Let dropped views release their pins (the release thread batches for a few ms)."""
-    gc.collect()
-    time.sleep(0.05)
 
 
 def node_of(cache: EmbeddingCache) -> NodeIndex:

@@ -67,6 +67,14 @@ def _detach_at_exit() -> None:
         cache._force_close()
 
 
+def _close_quietly(device: DeviceSide) -> None:
+    """Close this process's GPU side; a broken CUDA context must not keep the process attached."""
+    try:
+        device.close()
+    except Exception as exc:
+        log.warning("shmcache: closing the GPU side failed: %s", str(exc))
+
+
 def open_caches() -> list[EmbeddingCache]:
     """The caches of this process that have not detached yet (closed ones may wait for views)."""
     return list(_open)
@@ -311,7 +319,7 @@ class EmbeddingCache:
             self.cleanup_request(request_id)
         if self._bridge is not None:
             self._bridge.close()
-        self._close_device()
+        _close_quietly(self._device)
         self._closed = True
         self._releases.close()
         self.flush_releases()
@@ -358,14 +366,8 @@ class EmbeddingCache:
         if not self._enabled or _forked_since(self._forks) or self._detached:
             return
         self._closed = True
-        self._close_device()
+        _close_quietly(self._device)
         self._detach()
-
-    def _close_device(self) -> None:
-        try:
-            self._device.close()
-        except Exception as exc:  # a broken CUDA context must not keep this process attached
-            log.warning("shmcache: closing the GPU side failed: %s", str(exc))
 
     def _detach(self) -> None:
         with self._detach_lock:

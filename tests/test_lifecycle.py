@@ -1,0 +1,87 @@
+"""A cache's kernel objects over its life: owner-only and named by uid, removed by the last
+close (or later, when the last view dies), removed under attached users by `destroy`, never
+touched from a forked child."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+import torch
+
+from shmcache import CacheClosed, CacheConfig, EmbeddingCache
+from shmcache.kernel.namespace import list_namespaces, object_names
+from tests.helpers import kernel_objects, wait_for
+from tests.workers import key_of
+
+
+def test_objects_are_owner_only_and_named_by_uid(config: CacheConfig) -> None:
+    with EmbeddingCache(config):
+        names = object_names(config.namespace)
+        for path in (f"/dev/shm{names.index}", f"/dev/shm{names.arena}", names.lock_path):
+            assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+            assert f".{os.geteuid()}." in path
+        assert config.namespace in list_namespaces()
+
+
+def test_last_close_removes_everything(config: CacheConfig) -> None:
+    before = kernel_objects()
+    first = EmbeddingCache(config)
+    second = EmbeddingCache(config)
+    first.put(key_of("x"), torch.ones(1))
+    during = kernel_objects()
+    assert len(during - before) == 4  # index, arena, lock file, one semaphore set
+    first.close()
+    assert kernel_objects() == during
+    held = second.get(key_of("x"))
+    second.close()  # a live view defers the detach until it is collected
+    assert kernel_objects() == during
+    del held
+    wait_for(lambda: kernel_objects() == before, 10, "the deferred detach")
+    with pytest.raises(CacheClosed):
+        second.get(key_of("x"))
+
+
+def test_destroy_removes_the_namespace_under_attached_users(config: CacheConfig) -> None:
+    before = kernel_objects()
+    user = EmbeddingCache(config)
+    user.put(key_of("x"), torch.ones(1))
+    user.put(key_of("z"), torch.ones(2))
+    held = user.get(key_of("z"))
+    admin = EmbeddingCache(config)
+    admin.destroy()
+    assert kernel_objects() == before
+    with pytest.raises(CacheClosed):
+        user.get_or_compute(key_of("y"), lambda: torch.ones(1))
+    x, z = key_of("x"), key_of("z")  # z: a repeat hit of the live view `held`
+    # hits touch no kernel object that destroy removes: the index itself says it was destroyed
+    for call, arg in ((user.get, x), (user.get, z), (user.get_many, [x]), (user.contains, x)):
+        with pytest.raises(CacheClosed, match="destroyed"):
+            call(arg)
+    assert torch.equal(held, torch.ones(2))  # a view taken before stays readable
+    del held
+    user.close()
+    assert kernel_objects() == before
+
+
+def test_a_cache_is_refused_in_a_forked_child(config: CacheConfig) -> None:
+    with EmbeddingCache(config) as cache:
+        cache.put(key_of("x"), torch.ones(1))
+        pid = os.fork()
+        if pid == 0:  # the child: each call refuses, nothing is touched; it never returns to pytest
+            refused = 0
+            try:
+                for call in (
+                    lambda: cache.get(key_of("x")),
+                    lambda: cache.put(key_of("y"), torch.ones(1)),
+                ):
+                    try:
+                        call()
+                    except CacheClosed:
+                        refused += 1
+            finally:
+                os._exit(0 if refused == 2 else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert cache.get(key_of("x")) is not None  # the parent's cache is untouched
