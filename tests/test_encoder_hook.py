@@ -67,6 +67,8 @@ def test_only_missing_items_are_encoded_and_the_output_is_the_whole_batchs(
         cache.flush_releases()
         stats = cache.stats()
         assert stats["entries"] == stats["puts"] == 3 and stats["references"] == 0
+        # each lookup counted once: 1 (the first call) + 3 (items 0, 2, 3: the batch's get_many)
+        assert stats["misses"] == 4, stats
 
 
 def encode_after(config: CacheConfig, name: str, seeds: list[int], start: Any, results: Any) -> None:

@@ -195,6 +195,7 @@ def test_serve_metrics_on_loopback(shmcache_config: CacheConfig) -> None:
             assert samples[("shmcache_computes_total", (("namespace", ns),))] == 1
             assert samples[("shmcache_hits_total", (("layer", "node"), ("namespace", ns)))] == 1
             assert samples[("shmcache_entries", (("namespace", ns),))] == 1
+            assert samples[("shmcache_gpu_bytes", (("namespace", ns),))] == 0  # no device copy
             with open("/proc/net/tcp") as f:  # listening only on 127.0.0.1
                 listening = [line.split()[1] for line in f if line.split()[3] == "0A"]
             assert f"0100007F:{port:04X}" in listening

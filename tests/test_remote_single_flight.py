@@ -248,17 +248,24 @@ def test_a_handed_over_reservation_abandoned_before_its_adoption_removes_its_lea
         assert _lease_in_store(a, "k") is None
 
 
-@pytest.mark.parametrize("batch", [False, True], ids=["get_or_compute", "try_reserve_many"])
+@pytest.mark.parametrize(
+    ("batch", "take"),
+    [(False, True), (True, True), (True, False)],
+    ids=["get_or_compute", "try_reserve_many", "try_reserve_many-without-lease"],
+)
 def test_a_lease_our_node_took_is_taken_over_at_once_when_its_taker_died(
     shmcache_mooncake: MooncakeMaster,
     holder: MooncakeHolder,
     shmcache_namespace: str,
     tmp_path: Path,
     batch: bool,
+    take: bool,
 ) -> None:
     """A process of our node that held a key's node reservation and lease is SIGKILLed (the lease
     lives on in the holder's segment): the node's next process takes over the reservation and,
-    seeing our own node's tag on the lease, the lease too, at once, not at its 60 s deadline."""
+    seeing our own node's tag on the lease, the lease too, at once, not at its 60 s deadline.
+    One that takes no lease (an `ec_consumer` engine) removes the orphan: other nodes would
+    otherwise wait for its deadline."""
     config = remote_config(
         shmcache_namespace, shmcache_mooncake.address, compute_timeout_s=60.0, remote_holder=holder.address
     )
@@ -272,8 +279,10 @@ def test_a_lease_our_node_took_is_taken_over_at_once_when_its_taker_died(
         assert _lease_in_store(cache, "k") is not None  # the dead process's lease outlived it
         started = time.monotonic()
         if batch:
-            [res] = cache.try_reserve_many([key_of("k")])
+            [res] = cache.try_reserve_many([key_of("k")], lease=take)
             assert res is not None and res.owned  # not given back as another node's compute
+            if not take:
+                assert _lease_in_store(cache, "k") is None  # the orphan is gone
             value = res.commit(expected_value("k"))
         else:
             value = cache.get_or_compute(key_of("k"), lambda: expected_value("k"))

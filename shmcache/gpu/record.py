@@ -122,7 +122,8 @@ def withdraw_record(node: NodeIndex, slot: int, gen: int) -> bool:
 
 def live_mask(slots: SlotTable, attachments: AttachmentTable) -> np.ndarray:
     """Boolean array over slots: the slot's current generation has a GPU record that is not
-    withdrawn (read without a lock, for statistics)."""
+    withdrawn (read without a lock, for statistics; the record's crc is not checked, so a damaged
+    one counts here while a reader, which checks it, reads the host copy)."""
     table = attachments.table(GPU_HEAD_DTYPE)
     live: np.ndarray = (
         (table["gen"] == slots.array["gen"]) & (table["flags"] & _WITHDRAWN == 0) & (table["gen"] > 0)

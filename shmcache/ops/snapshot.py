@@ -59,7 +59,7 @@ __all__ = [
     "take_snapshot",
 ]
 
-SNAPSHOT_SCHEMA_VERSION = 3  # 2: entries carry `gpu`; 3: stats carry `gpu_entries`, `gpu_bytes`
+SNAPSHOT_SCHEMA_VERSION = 3  # 2: entries carry `gpu`; 3: stats carry `gpu_bytes`, both gpu figures as stats()
 SCHEMA_FILE = "inspect_schema.json"  # package data of shmcache.ops, beside this module
 
 

@@ -20,7 +20,6 @@ from typing import Any
 
 from shmcache.config import CacheConfig
 from shmcache.errors import CacheClosed, CapacityError, PinLimitReached
-from shmcache.format import values
 from shmcache.format.values import Value
 from shmcache.gpu.side import DeviceSide
 from shmcache.kernel.namespace import destroy_namespace
@@ -164,15 +163,7 @@ class EmbeddingCache:
             return
         arguments.check_request(request_id)
         self._index()
-        res = self._claims.claim(key, self._needle(key), request_id, wait=False, counted=False)
-        if res is not None and res.value is None and res.cached:
-            res.commit(value, view=False)
-            return
-        no_room = res is not None and res.value is None  # else the key is stored or in flight
-        del res  # no view of the stored entry outlives this call, not even in a traceback
-        values.plan(value)  # nothing is stored, but a value `put` cannot hold is still refused
-        if no_room:
-            raise CapacityError(f"{key!r}: no slot is free in its stripe (every way is referenced)")
+        self._claims.put(key, self._needle(key), value, request_id)
 
     def get_or_compute(
         self, key: EmbeddingCacheKey, compute_fn: Callable[[], Value], request_id: RequestId | None = None
@@ -231,19 +222,24 @@ class EmbeddingCache:
         return self._claims.claim(key, self._needle(key), request_id, wait=False)
 
     def try_reserve_many(
-        self, keys: Sequence[EmbeddingCacheKey], request_id: RequestId | None = None, *, lease: bool = True
+        self,
+        keys: Sequence[EmbeddingCacheKey],
+        request_id: RequestId | None = None,
+        *,
+        lease: bool = True,
+        counted: bool = True,
     ) -> list[Reservation | None]:
         """`try_reserve` of a request's items, for their computer: node misses pulled in one batch,
-        the rest leased across nodes (single flight). With `lease` off (a caller that computes for
-        itself alone and gives its reservations back) no lease is taken; a key another node has
-        leased is still None."""
+        the rest leased across nodes (single flight). `lease` off (a caller computing for itself
+        alone): no lease taken, a key another node leased still None. `counted` off: no hit or
+        miss counted (the caller's own `get_many` of these keys counted them)."""
         arguments.check_keys(keys)
         if not self._enabled:
             return [Reservation(None, key, request_id) for key in keys]
         arguments.check_request(request_id)
         self._index()
         needles = arguments.needles(keys, self.config.hash_algorithm)
-        return self._claims.claim_many(keys, needles, request_id, lease=lease)
+        return self._claims.claim_many(keys, needles, request_id, lease=lease, counted=counted)
 
     def adopt(
         self, ticket: ReservationTicket, key: EmbeddingCacheKey, request_id: RequestId | None = None

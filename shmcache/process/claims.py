@@ -121,6 +121,18 @@ class Claims:
         value = self._views.deliver(key, needle, hit, request_id)
         return None if value is None else Reservation(self, key, request_id, value=value)
 
+    def put(self, key: EmbeddingCacheKey, needle: bytes, value: Value, request_id: RequestId | None) -> None:
+        """`EmbeddingCache.put`: claim `key` (not a lookup: nothing counted) and commit `value`."""
+        res = self.claim(key, needle, request_id, wait=False, counted=False)
+        if res is not None and res.value is None and res.cached:
+            res.commit(value, view=False)
+            return
+        no_room = res is not None and res.value is None  # else the key is stored or in flight
+        del res  # no view of the stored entry outlives this call, not even in a traceback
+        values.plan(value)  # nothing is stored, but a value `put` cannot hold is still refused
+        if no_room:
+            raise CapacityError(f"{key!r}: no slot is free in its stripe (every way is referenced)")
+
     def claim_many(
         self,
         keys: Sequence[EmbeddingCacheKey],
@@ -128,17 +140,18 @@ class Claims:
         request_id: RequestId | None,
         *,
         lease: bool = True,
+        counted: bool = True,
     ) -> list[Reservation | None]:
-        """`claim` of every key without waiting; then the node misses we own are pulled from the
-        remote store in one batch (under their reservations), and the rest leased (single flight;
-        with `lease` off only looked at): one another node is computing is given back (None, as
-        for a key another process holds)."""
+        """`claim` of every key without waiting (hits and misses counted if `counted`); then the
+        node misses we own are pulled from the remote store in one batch (under their
+        reservations), and the rest leased (single flight; with `lease` off only looked at): one
+        another node is computing is given back (None, as for a key another process holds)."""
         claims: list[Reservation | None] = []
         owned: dict[int, Reservation] = {}
         bridge = self.bridge
         try:
             for i, (key, needle) in enumerate(zip(keys, needles, strict=True)):
-                res = self.claim(key, needle, request_id, wait=False)
+                res = self.claim(key, needle, request_id, wait=False, counted=counted)
                 claims.append(res)
                 if res is not None and res.owned:
                     owned[i] = res

@@ -34,7 +34,8 @@ node reservation of a key and found no copy in the store:
 `try_reserve_many` (the encoder hook's batch path) takes leases without waiting (`try_hold`): a
 key whose lease another node holds is given back by our node and waited for on the blocking path.
 A caller that computes for itself alone and stores nothing (a vLLM `ec_consumer` engine) only
-looks (`held_elsewhere`): it waits for another node's live lease and takes none of its own.
+looks (`held_elsewhere`): it waits for another node's live lease, takes none of its own, and
+removes an orphan of its own node (step 5) as a holder removes its lease (step 4).
 
 Any store error means "compute": node-local exactly-once never depends on the lease.
 """
@@ -88,11 +89,16 @@ def _deadline(token: bytes) -> float:
         return 0.0  # not a token of ours: take it over
 
 
+def _ours(held: bytes, node: str) -> bool:
+    """Whether the lease `held` bears our node's tag (orphaned while we hold the node reservation)."""
+    parts = held.split(b"|")
+    return len(parts) == 3 and parts[1] == node.encode()
+
+
 def _waits(held: bytes, node: str) -> bool:
     """Whether a lease `held` by another holder is worth waiting for: another node's, before its
-    deadline (one our own node took is orphaned while we hold the node reservation)."""
-    parts = held.split(b"|")
-    return not (len(parts) == 3 and parts[1] == node.encode()) and time.time() < _deadline(held)
+    deadline."""
+    return not _ours(held, node) and time.time() < _deadline(held)
 
 
 def hold_or_wait(
@@ -144,9 +150,14 @@ def try_hold(store: RemoteStore, name: str, timeout_s: float, node: str) -> byte
 
 
 def held_elsewhere(store: RemoteStore, name: str, node: str) -> bool:
-    """Whether another node holds a live lease of `name` (one look, nothing taken). `node` is our
-    node's tag. Any store error means no."""
+    """Whether another node holds a live lease of `name` (one look, nothing taken; an orphaned
+    lease of our own node is removed, as `release` removes ours, so other nodes stop waiting
+    for it). `node` is our node's tag. Any store error, or a lease still being written (Mooncake
+    answers empty meanwhile), means no: the caller computes for itself, as it may."""
     held = store.get_bytes(name + LEASE_SUFFIX)
+    if held is not None and _ours(held, node):
+        release(store, Lease(name, held))
+        return False
     return held is not None and _waits(held, node)
 
 

@@ -134,7 +134,8 @@ class CachedEncoder:
         """Fill `outputs[i]` for every missing item: computed here, pulled, or waited for."""
         ours: dict[int, Reservation] = {}
         elsewhere = []
-        claims = self.cache.try_reserve_many([keys[i] for i in missing], request_id)  # one batch pull
+        # one batch pull; the misses were counted by get_many
+        claims = self.cache.try_reserve_many([keys[i] for i in missing], request_id, counted=False)
         for i, res in zip(missing, claims, strict=True):
             if res is None:
                 elsewhere.append(i)

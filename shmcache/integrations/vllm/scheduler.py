@@ -8,8 +8,9 @@ Per step, for each request vLLM wants to schedule (`ensure_cache_available`):
   (the worker adopts it and commits its encoder output), and let go once adopted;
 - an item another process is computing defers the request (False) until it is sealed; a request
   that is deferred gives back the reservations it took, so two engines never wait on each other.
-An engine that does not store (`ec_consumer`) reserves nothing: it loads what is sealed (or pulled
-from the store), waits for what another process computes, and computes the rest for itself.
+An engine that does not store (`ec_consumer`) reserves nothing and takes no cross-node lease: it
+loads what is sealed (or pulled from the store), waits for what another process or another node
+(its lease) computes, and computes the rest for itself.
 """
 
 from __future__ import annotations
