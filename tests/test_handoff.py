@@ -3,6 +3,7 @@ computes in its worker process): real processes, and SIGKILL on either side of t
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import time
 from pathlib import Path
@@ -118,3 +119,25 @@ def test_a_handed_over_reservation_never_adopted_ends_with_withdraw(config: Cach
         again = cache.try_reserve(key_of("u"))
         assert again is not None and again.owned
         again.abandon()
+
+
+def test_calls_on_an_ended_reservation_never_release_a_newer_one_of_its_slot(config: CacheConfig) -> None:
+    """The semaphore is the slot's, not the reservation's: an abandon repeated after a hand-over
+    (or a late `let_go`) named only the slot and released the semaphore of the next reservation
+    this process made there, which another claimer then took over (its commit: ReservationLost)."""
+    one = dataclasses.replace(config, ways=1, max_entries=1)
+    with EmbeddingCache(one) as cache, EmbeddingCache(one) as other:
+        first = cache.try_reserve(key_of("a"))
+        assert first is not None and first.owned
+        first.hand_over()
+        first.abandon("never adopted")  # ends it
+        second = cache.try_reserve(key_of("b"))
+        assert second is not None and second.owned and second.slot == first.slot
+        first.abandon("again")
+        first.withdraw()
+        assert first.let_go()
+        assert other.try_reserve(key_of("b")) is None  # still held: another claimer waits
+        value = second.commit(expected_value("b"))
+        assert fingerprint(value) == fingerprint(expected_value("b"))
+        assert cache.stats()["takeovers"] == 0
+        del value

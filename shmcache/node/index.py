@@ -197,11 +197,11 @@ class NodeIndex:
                         self.attachments.put(slot, attachment)
                     sealed = self.reservations.seal_in(slot, gen, pins)
                     assert sealed is not None
-                    self.reservations.release(slot)
+                    self.reservations.release(slot, gen)
                     return SealedEntry(slot, gen, sealed.offset, sealed.size, pinned, attachment)
             raise ReservationLost(f"reservation (slot {slot}, gen {gen}) was taken over")  # outside
         finally:
-            self.reservations.release(slot)
+            self.reservations.release(slot, gen)
 
     def set_aside(self, slot: int, gen: int) -> bool:
         """Take our reservation out of the index, its extent kept by one pin of ours (slots.py): a
@@ -217,7 +217,7 @@ class NodeIndex:
                 return False
             done = self.reservations.set_aside_in(slot, gen)
             assert done  # the record was read as ours above, in the same section
-            self.reservations.release(slot)
+            self.reservations.release(slot, gen)
             return True
 
     def abandon(self, slot: int, gen: int, kind: FailureKind, message: str) -> bool:
@@ -226,10 +226,10 @@ class NodeIndex:
         try:
             with self.sections.stripe(slot // self.layout.ways):
                 done = self.reservations.abandon_in(slot, gen, kind, message)
-                self.reservations.release(slot)
+                self.reservations.release(slot, gen)
                 return done
         finally:
-            self.reservations.release(slot)
+            self.reservations.release(slot, gen)
 
     def adopt(self, slot: int, gen: int, giver: int) -> bool:
         """Take over reservation (slot, gen) from client `giver`, a live process that hands it to

@@ -10,6 +10,9 @@
 - Seal and abandon are fenced: they apply only if the record is still RESERVED by this client with
   the same generation. Generations only grow, so (slot, gen) never names two values.
 - Whatever happens in seal and abandon, the semaphore is released before they return or raise.
+  A release names the generation too: the process remembers which one it holds each semaphore
+  for, so a call for an ended reservation (an abandon repeated after a hand-over, say) never
+  releases the semaphore of a newer reservation of the same slot.
 - An abandon records why (failed, or uncacheable) with the generation, for the waiters.
 - Hand-off to another process (a serving engine reserves in its scheduler process and commits in
   its worker process): the receiver *adopts* the reservation (slot, gen, giver): it joins the
@@ -64,7 +67,7 @@ class Reservations:
     ) -> None:
         self._slots, self._sems, self._layout = slots, sems, slots.layout
         self._counters, self._attachments = counters, attachments
-        self._held: set[int] = set()
+        self._held: dict[int, int] = {}  # slot -> the generation we hold its semaphore for
         self._lock = threading.Lock()
         self.client = -1
 
@@ -81,20 +84,22 @@ class Reservations:
         with self._lock:
             return set(self._held)
 
-    def _acquire(self, slot: int) -> bool:
-        """Take slot's semaphore without waiting; remember that this process holds it."""
+    def _acquire(self, slot: int, gen: int) -> bool:
+        """Take slot's semaphore without waiting, for reservation (slot, gen); remember it."""
         if not self._sems.try_acquire(self._layout.slot_sem(slot)):
             return False
         with self._lock:
-            self._held.add(slot)
+            self._held[slot] = gen
         return True
 
-    def release(self, slot: int) -> None:
-        """Release slot's semaphore if this process still holds it (waiters wake; if the slot is
-        still RESERVED they take it over with gen + 1, which fencing makes safe)."""
+    def release(self, slot: int, gen: int) -> None:
+        """Release slot's semaphore if this process still holds it for reservation (slot, gen)
+        (waiters wake; if the slot is still RESERVED they take it over with gen + 1, which
+        fencing makes safe)."""
         with self._lock:
-            held = slot in self._held
-            self._held.discard(slot)
+            held = self._held.get(slot) == gen
+            if held:
+                del self._held[slot]
         if held:
             self._sems.release(self._layout.slot_sem(slot))
 
@@ -110,18 +115,18 @@ class Reservations:
             record = table.read(slot)
             if record is None or record.state != SlotState.RESERVED:
                 continue
-            if self.owner_alive(slot) or not self._acquire(slot):
-                return Claim(ClaimKind.WAIT, slot, record.gen)  # a live owner (or it just let go)
             gen = self._next_gen(slot, record)
+            if self.owner_alive(slot) or not self._acquire(slot, gen):
+                return Claim(ClaimKind.WAIT, slot, record.gen)  # a live owner (or it just let go)
             table.write(slot, record.state, SlotRecord(SlotState.RESERVED, self.client, gen, 0, 0, 0.0, 0))
             self._counters.count(Counter.TAKEOVERS)
             return Claim(ClaimKind.OWNER, slot, gen, takeover=True)
         victim = self._victim_in(stripe, now)
-        if victim is None or not self._acquire(victim):
+        record = None if victim is None else table.read(victim)
+        gen = 0 if victim is None or record is None else self._next_gen(victim, record)
+        if victim is None or not self._acquire(victim, gen):
             return Claim(ClaimKind.FULL)
-        record = table.read(victim)
         assert record is not None and record.state == SlotState.EMPTY
-        gen = self._next_gen(victim, record)
         table.set_meta(victim, *meta)
         table.write(
             victim, SlotState.EMPTY, SlotRecord(SlotState.RESERVED, self.client, gen, 0, 0, 0.0, 0), needle
@@ -205,7 +210,7 @@ class Reservations:
         if not self._sems.join(self._layout.slot_sem(slot)):
             return False  # nobody holds it any more: it is a dead owner's, for a takeover
         with self._lock:
-            self._held.add(slot)
+            self._held[slot] = gen
         self._slots.write(slot, record.state, record._replace(owner=self.client))
         return True
 
@@ -215,7 +220,7 @@ class Reservations:
         record = self._slots.read(slot)
         if record is not None and record.owned_by(self.client, gen):
             return False
-        self.release(slot)
+        self.release(slot, gen)
         return True
 
     def free_dead_in(self, slot: int) -> None:
