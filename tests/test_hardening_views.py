@@ -1,6 +1,8 @@
 """No consumer can write through a returned view into the node's copy: numpy views are read-only
 (a write raises), and a write through a torch tensor (or a numpy array made writeable on purpose)
-lands in this process's copy-on-write mapping, never in the node's copy or another process."""
+lands in this process's copy-on-write mapping, never in the node's copy or another process; and no
+change a consumer makes to its value in place (shape, dtype, the memory a tensor points at, a
+prefix's token ids) reaches the values later gets return."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from shmcache import CacheConfig, EmbeddingCache, EmbeddingCacheKey, ViewMutated
+from shmcache import CacheConfig, EmbeddingCache, EmbeddingCacheKey, HiddenStatePrefix, ViewMutated
 from shmcache.process.views import Views
 from shmcache.testing import sample_preprocessing
 from tests.helpers import InterruptAtLine, spawn, wait_for
@@ -60,6 +62,49 @@ def test_a_write_through_a_returned_view_never_reaches_the_nodes_copy(config: Ca
         assert torch.equal(cache.get(_key("tensor")), ONES)
         assert (cache.get(_key("array")) == ONES.numpy()).all()
         assert cache.stats()["corrupt_records"] == 0
+
+
+def _prefix() -> HiddenStatePrefix:
+    return HiddenStatePrefix([1, 2, 3], torch.arange(12.0).reshape(3, 4), {"voice": "a"})
+
+
+IN_PLACE: dict[str, tuple[Any, Any]] = {  # what is stored, and a change made to the value a get returned
+    "tensor.unsqueeze_": (torch.arange(6.0).reshape(2, 3), lambda v: v.unsqueeze_(0)),
+    "tensor.t_": (torch.arange(9.0).reshape(3, 3), lambda v: v.t_()),  # same shape, other strides
+    "tensor.data": (torch.arange(6.0), lambda v: setattr(v, "data", v.data.view(torch.int32))),
+    "array.shape": (np.arange(6.0).reshape(2, 3), lambda v: setattr(v, "shape", (3, 2))),
+    "array.dtype": (np.arange(6.0), lambda v: setattr(v, "dtype", np.int64)),
+    "prefix.token_ids": (_prefix(), lambda v: v.token_ids.append(4)),
+    "prefix.metadata": (_prefix(), lambda v: v.metadata.update(voice="b")),
+}
+
+
+def _same(got: Any, stored: Any) -> bool:
+    if isinstance(stored, HiddenStatePrefix):
+        return (
+            isinstance(got, HiddenStatePrefix)
+            and (got.token_ids, got.metadata) == (stored.token_ids, stored.metadata)
+            and _same(got.hidden_states, stored.hidden_states)
+        )
+    if isinstance(stored, np.ndarray):
+        return type(got) is np.ndarray and got.dtype == stored.dtype and np.array_equal(got, stored)
+    return type(got) is torch.Tensor and got.dtype == stored.dtype and torch.equal(got, stored)
+
+
+@pytest.mark.parametrize("change", list(IN_PLACE))
+def test_a_value_changed_in_place_by_its_consumer_never_changes_the_next_get(
+    config: CacheConfig, change: str
+) -> None:
+    """Repeat hits alias the value returned before (cheap) only while it is as it was returned."""
+    stored, edit = IN_PLACE[change]
+    with EmbeddingCache(config) as cache:
+        cache.put(_key(change), stored)
+        first = cache.get(_key(change))
+        edit(first)
+        again = cache.get(_key(change))  # a repeat hit: `first` is alive
+        assert cache.stats()["hits_process"] == 1
+        assert _same(again, stored), (again, stored)
+        del first, again
 
 
 def test_views_of_one_process_alias_each_other_and_nothing_else(config: CacheConfig) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import struct
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +36,6 @@ from shmcache.format.values import (
     HiddenStatePrefix,
     Value,
     align,
-    is_tensor,
 )
 from shmcache.keys.dtypes import numpy_dtype, torch_dtype
 
@@ -299,26 +299,35 @@ def _token_list(array: Any) -> list[int]:
     return tokens
 
 
-_ALIAS_BY_TYPE: dict[type, Callable[[Any], Any]] = {np.ndarray: np.ndarray.view, list: list}
+def _array_signature(array: np.ndarray[Any, Any]) -> tuple[Any, ...]:
+    return array.shape, array.strides, array.dtype  # its memory cannot be swapped in place
 
 
-def alias(value: Value) -> Value:
-    """A new value object sharing `value`'s memory (a repeat hit's cheap copy of the handle)."""
-    by_type = _ALIAS_BY_TYPE.get(type(value))  # the common types in one look (repeat hits)
-    if by_type is not None:
-        return by_type(value)
-    if isinstance(value, np.ndarray):
-        return value.view()
-    if isinstance(value, HiddenStatePrefix):
-        return HiddenStatePrefix(list(value.token_ids), alias(value.hidden_states), dict(value.metadata))
-    if isinstance(value, list):
-        return list(value)
-    if isinstance(value, dict):
-        return {name: alias(item) for name, item in value.items()}
-    if is_tensor(value):
-        _ALIAS_BY_TYPE[type(value)] = type(value).detach  # torch is imported by now
-        return value.detach()
-    return value.view()  # a CUDA array of another library
+def _tensor_signature(tensor: Any) -> tuple[Any, ...]:
+    return tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype
+
+
+_SIGNATURE_BY_TYPE: dict[type, Callable[[Any], tuple[Any, ...]]] = {np.ndarray: _array_signature}
+
+
+def signature(value: Value) -> tuple[Any, ...] | None:
+    """What a repeat hit checks before it aliases `value`, a value returned earlier that its holder
+    may have changed in place (`unsqueeze_`, `t_`, `t.data = ...`, `a.shape = ...`): the memory
+    it points at, its shape, strides and dtype. None for any other value, never aliased (the
+    items of a container, the token ids and metadata of a prefix can be replaced: it is rebuilt)."""
+    by_type = _SIGNATURE_BY_TYPE.get(type(value))  # the common types in one look (repeat hits)
+    if by_type is None:
+        torch = sys.modules.get("torch")
+        if torch is None or type(value) is not torch.Tensor:
+            return None
+        by_type = _SIGNATURE_BY_TYPE[torch.Tensor] = _tensor_signature
+    return by_type(value)
+
+
+def alias(value: Any) -> Value:
+    """A new value object sharing the memory of `value`, an array or tensor whose `signature` is
+    still the one it was returned with (a repeat hit's cheap copy of the handle)."""
+    return value.view() if type(value) is np.ndarray else value.detach()
 
 
 def describe(buffer: memoryview | bytes) -> tuple[str, list[tuple[str, tuple[int, ...]]]]:

@@ -41,14 +41,6 @@ log = logging.getLogger("shmcache")
 REMEMBERED: Final = 4096  # dead views' mappings a process remembers (newest first) for re-delivery
 
 
-def _weak(value: Value) -> weakref.ref[Any] | None:
-    """A weak reference to `value` where its type allows one (dicts and lists do not)."""
-    try:
-        return weakref.ref(value)
-    except TypeError:
-        return None
-
-
 class _Mapping(NamedTuple):
     """This process's live zero-copy mapping of one entry (a NamedTuple: made on every delivery)."""
 
@@ -56,6 +48,7 @@ class _Mapping(NamedTuple):
     holder: weakref.ref[np.ndarray]  # the entry's bytes; alive while any returned view is
     parsed: decode.ParsedValue
     template: weakref.ref[Any] | None  # a value returned earlier, aliased by repeat hits
+    signature: tuple[Any, ...] | None  # the template's when returned (`decode.signature`)
     aliases: GpuRecord | None = None  # the template aliases this exporter's device memory
 
 
@@ -205,7 +198,9 @@ class Views:
                 node.release([(slot, gen)])  # the pin only covered the copy
             return value
         record = GpuRecord.from_attachment(sealed.attachment) if aliased else None
-        mapping = _Mapping(sealed, weakref.ref(holder), parsed, _weak(value), record)
+        signature = decode.signature(value)
+        template = None if signature is None else weakref.ref(value)
+        mapping = _Mapping(sealed, weakref.ref(holder), parsed, template, signature, record)
         kept.append(_Kept(needle, mapping, holder))
         return value
 
@@ -290,6 +285,8 @@ class Views:
         if not node.lookups.repeat_hit(slot, gen):
             return None
         template = found.template() if found.template is not None else None
+        if template is not None and decode.signature(template) != found.signature:
+            template = None  # its holder changed it in place: not aliased
         if found.parsed.on_device and self._device.reader() is not None:
             if template is None:
                 return None  # a GPU entry's device arrays are made by a full delivery (its route)
