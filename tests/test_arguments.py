@@ -13,6 +13,7 @@ from shmcache import (
     CacheConfig,
     EmbeddingCache,
     EncoderPreprocessingConfig,
+    InvalidKey,
     RequestIdTypeError,
     UnsupportedValue,
 )
@@ -54,6 +55,13 @@ def test_bad_arguments_are_typed_errors_and_change_nothing(
         forged = dataclasses.replace(res.hand_over(), lease=("name", "token"))  # a tuple, a str token
         with pytest.raises(ArgumentTypeError, match="lease must be a Lease"):
             cache.adopt(forged, fresh)
+        ticket = dataclasses.replace(forged, lease=None)
+        for field, bad in (("slot", 1.5), ("slot", None), ("gen", True), ("giver", "0")):
+            with pytest.raises(ArgumentTypeError, match="must be ints"):
+                cache.adopt(dataclasses.replace(ticket, **{field: bad}), fresh)
+        for field, bad in (("slot", 10**6), ("slot", -1), ("gen", 0), ("giver", 10**6)):
+            with pytest.raises(InvalidKey, match="names no reservation"):  # IndexError, TypeError before
+                cache.adopt(dataclasses.replace(ticket, **{field: bad}), fresh)
         res.abandon("not adopted")  # the hand-over ends here: nothing was adopted
         cache.flush_releases()
         stats = cache.stats()

@@ -237,7 +237,9 @@ def test_layout_mismatch_while_attached(config: CacheConfig) -> None:
     with EmbeddingCache(config):
         with pytest.raises(LayoutMismatch, match="capacity_bytes"):
             EmbeddingCache(dataclasses.replace(config, capacity_bytes=config.capacity_bytes * 2))
-        with pytest.raises(LayoutMismatch, match="hash_algorithm"):
+        with pytest.raises(
+            LayoutMismatch, match="hash_algorithm: namespace has 'xxh3_128', config has 'sha256'"
+        ):
             EmbeddingCache(dataclasses.replace(config, hash_algorithm="sha256"))
     with EmbeddingCache(dataclasses.replace(config, capacity_bytes=config.capacity_bytes * 2)) as again:
         assert again.stats()["capacity_bytes"] == config.capacity_bytes * 2  # nobody attached: recreated

@@ -113,6 +113,13 @@ _SETTING_NAMES = (
 )
 
 
+def _shown(name: str, value: int | float) -> object:
+    """A setting as a config spells it (the hash algorithm by its name, not its index)."""
+    if name == "hash_algorithm" and isinstance(value, int) and 0 <= value < len(HASH_ALGORITHMS):
+        return HASH_ALGORITHMS[value]
+    return value
+
+
 def _expected(names: ObjectNames, config: CacheConfig | None) -> Expected:
     return Expected(names.uid, None if config is None else config.mode)
 
@@ -170,7 +177,7 @@ def _check_settings(header: Header, config: CacheConfig) -> None:
         header.algorithm,
     )
     diffs = [
-        f"{name}: namespace has {t!r}, config has {o!r}"
+        f"{name}: namespace has {_shown(name, t)!r}, config has {_shown(name, o)!r}"
         for name, t, o in zip(_SETTING_NAMES, theirs, _settings(config), strict=True)
         if t != o
     ]

@@ -8,11 +8,19 @@ from typing import Any
 from shmcache.config import CacheConfig
 from shmcache.errors import ArgumentTypeError, InvalidKey, RequestIdTypeError
 from shmcache.keys.key import EmbeddingCacheKey
-from shmcache.node.layout import needle_of
+from shmcache.node.layout import Layout, needle_of
 from shmcache.process.reservation import ReservationTicket
 from shmcache.remote.lease import Lease
 
-__all__ = ["check_callable", "check_keys", "check_request", "check_ticket", "config_of", "needle"]
+__all__ = [
+    "check_callable",
+    "check_keys",
+    "check_request",
+    "check_ticket",
+    "check_ticket_fits",
+    "config_of",
+    "needle",
+]
 
 
 def check_request(request_id: Any) -> None:
@@ -43,14 +51,28 @@ def check_callable(name: str, function: Any) -> None:
 
 
 def check_ticket(ticket: Any) -> None:
-    """`ArgumentTypeError` unless `ticket` is a `ReservationTicket` (whose lease, if any, is a `Lease`)."""
+    """`ArgumentTypeError` unless `ticket` is a `ReservationTicket` of well-typed fields (and a
+    lease, if any, that is a `Lease`)."""
     if not isinstance(ticket, ReservationTicket):
         raise ArgumentTypeError(f"ticket must be a ReservationTicket, got {type(ticket).__name__}")
+    fields = (ticket.slot, ticket.gen, ticket.giver)
+    if not (
+        all(type(field) is int for field in fields)
+        and isinstance(ticket.namespace, str)
+        and isinstance(ticket.digest, bytes)
+    ):
+        raise ArgumentTypeError(f"a ticket's slot, gen and giver must be ints, got {ticket!r}")
     lease = ticket.lease
     if lease is not None and not (
         isinstance(lease, Lease) and isinstance(lease.name, str) and isinstance(lease.token, bytes)
     ):
         raise ArgumentTypeError(f"a ticket's lease must be a Lease(name: str, token: bytes), got {lease!r}")
+
+
+def check_ticket_fits(ticket: ReservationTicket, layout: Layout) -> None:
+    """`InvalidKey` unless `ticket` names a slot, generation and client `layout` can have."""
+    if not (0 <= ticket.slot < layout.slots and ticket.gen > 0 and 0 <= ticket.giver < layout.clients):
+        raise InvalidKey(f"the ticket names no reservation this namespace can hold: {ticket!r}")
 
 
 def check_keys(keys: Any) -> None:

@@ -172,7 +172,8 @@ class EmbeddingCache:
 
         Concurrent callers on the node (threads and processes) wait for the one computing; if it
         fails they get `ComputeFailed` naming the cause; if it dies, one of them takes over. A value
-        that cannot be cached is still returned (`uncacheable`); `PinLimitReached` as for `get`.
+        there is no room for is still returned (`uncacheable`); one of a type the cache cannot
+        store raises `UnsupportedValue` (waiters: `ComputeFailed`); `PinLimitReached` as for `get`.
         """
         arguments.check_callable("compute_fn", compute_fn)
         if not self._enabled:
@@ -250,7 +251,7 @@ class EmbeddingCache:
         if not self._enabled:
             return None
         arguments.check_request(request_id)
-        self._index()
+        arguments.check_ticket_fits(ticket, self._index().layout)
         self._needle(key)
         return self._claims.adopt(ticket, key, request_id)
 
@@ -277,8 +278,9 @@ class EmbeddingCache:
         return self._views.hold(self._needle(key), request_id)
 
     def request(self, request_id: RequestId) -> contextlib.AbstractContextManager[None]:
-        """Make `request_id` the request in scope of the calls made inside the block (encoder
-        hooks read it: `shmcache.process.scope`); release with `cleanup_request` at its end."""
+        """Make `request_id` the request in scope of encoder calls made inside the block: a hooked
+        encoder (`CachedEncoder`, `shmcache.process.scope`) takes its references for it; this
+        cache's own calls take only their `request_id` argument. Release with `cleanup_request`."""
         return request_scope(request_id)
 
     def cleanup_request(self, request_id: RequestId) -> int:
