@@ -3,6 +3,8 @@ request's items (tests/test_vllm_engines.py runs whole engines)."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -22,6 +24,7 @@ from shmcache.remote.lease import LEASE_SUFFIX
 from shmcache.remote.store import remote_key
 from shmcache.testing import MooncakeMaster, sample_preprocessing
 from tests.test_remote import remote_config
+from tests.vllm.engine import SITE_DIR
 from tests.vllm.model import build_tiny_llava
 from tests.workers import expected_value
 
@@ -101,9 +104,17 @@ def test_an_engine_that_does_not_store_reserves_nothing_and_still_loads_and_wait
 
 
 @pytest.fixture(scope="module")
-def model_config(tmp_path_factory: pytest.TempPathFactory) -> ModelConfig:
-    model = build_tiny_llava(tmp_path_factory.mktemp("tiny-llava") / "model")
-    return ModelConfig(model=str(model), max_model_len=128, dtype="float32", enforce_eager=True)
+def model_config(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ModelConfig]:
+    """vLLM inspects the model class in a subprocess, which imports LLaVA: it needs the harness's
+    torchvision alias as an engine process does (tests/vllm/site on PYTHONPATH), and a cache of
+    its own (it passed before only where an earlier run had left its inspection in ~/.cache/vllm)."""
+    work = tmp_path_factory.mktemp("tiny-llava")
+    model = build_tiny_llava(work / "model")
+    with pytest.MonkeyPatch.context() as env:
+        paths = (str(SITE_DIR), os.environ.get("PYTHONPATH"))
+        env.setenv("PYTHONPATH", os.pathsep.join(path for path in paths if path))
+        env.setenv("VLLM_CACHE_ROOT", str(work / "vllm-cache"))
+        yield ModelConfig(model=str(model), max_model_len=128, dtype="float32", enforce_eager=True)
 
 
 @pytest.mark.parametrize(("role", "reserved"), [("ec_consumer", 0), ("ec_both", 1), ("ec_producer", 1)])
