@@ -141,3 +141,22 @@ def test_calls_on_an_ended_reservation_never_release_a_newer_one_of_its_slot(con
         assert fingerprint(value) == fingerprint(expected_value("b"))
         assert cache.stats()["takeovers"] == 0
         del value
+
+
+def test_a_reservation_dropped_unended_is_withdrawn(config: CacheConfig, tmp_path: Path) -> None:
+    """A caller that drops its reservation without commit, abandon or withdraw (an exception in
+    between, unused items of `try_reserve_many`): before, the key stayed reserved for the whole
+    node until this process exited, and every other process waited `compute_timeout_s` for it."""
+    with EmbeddingCache(dataclasses.replace(config, compute_timeout_s=60.0)) as cache:
+        res = cache.try_reserve(key_of("d"))
+        [also] = cache.try_reserve_many([key_of("e")])
+        assert res is not None and res.owned and also is not None and also.owned
+        del res, also
+        wait_for(lambda: cache.stats()["reserved"] == 0, 10, "the withdraws")
+        out = tmp_path / "out"
+        other = spawn(workers.get_or_compute_to, config, "d", str(out))
+        try:
+            assert _result(out) == ("computed", fingerprint(expected_value("d")))  # at once: not after 60 s
+        finally:
+            other.join(30)
+        assert cache.stats()["compute_failures"] == 0  # withdrawn: no failure reported to waiters

@@ -102,7 +102,9 @@ class EmbeddingCache:
         self._releases = Releases(node, self._device, self._detach, segments.arena_views.watched)
         node.reclaim = self._releases.release_now  # when full: our dead views' pins first
         self._views = Views(node, segments, config, self._device, self._requests, self._releases)
-        self._claims = Claims(node, segments.arena, config, self._views, self._device, self._requests)
+        self._claims = Claims(
+            node, segments.arena, config, self._views, self._device, self._requests, self._releases
+        )
         self._bridge: RemoteBridge | None = None
         _open.add(self)
         if config.remote_master is not None:

@@ -8,19 +8,16 @@ node's `commit` transaction, which abandons the reservation on any failure.
 
 from __future__ import annotations
 
+import functools
 import mmap
 import time
 from collections.abc import Sequence
-from typing import Final
 
 from shmcache.config import CacheConfig
 from shmcache.errors import (
     CapacityError,
-    ComputeFailed,
-    ComputeTimeout,
     InvalidKey,
     PinLimitReached,
-    SemaphoreTimeout,
 )
 from shmcache.format import entry, values
 from shmcache.format.values import Value
@@ -30,14 +27,14 @@ from shmcache.node.index import NodeIndex
 from shmcache.node.layout import Counter, key_meta, needle_of
 from shmcache.node.reservations import Claim, ClaimKind
 from shmcache.node.slots import FailureKind, SealedEntry
+from shmcache.process import waiting
+from shmcache.process.releases import Releases
 from shmcache.process.requests import RequestRefs
 from shmcache.process.reservation import RequestId, Reservation, ReservationTicket
 from shmcache.process.views import Views
 from shmcache.remote.bridge import LOOK_AGAIN, RemoteBridge
 
 __all__ = ["Claims"]
-
-_WAIT_SLICE_S: Final = 1.0  # a waiter re-checks which key its slot holds at least this often
 
 
 class Claims:
@@ -51,9 +48,10 @@ class Claims:
         views: Views,
         device: DeviceSide,
         requests: RequestRefs,
+        releases: Releases,
     ) -> None:
         self._node, self._arena, self._config = node, arena, config
-        self._views, self._device, self._requests = views, device, requests
+        self._views, self._device, self._requests, self._releases = views, device, requests, releases
         self.bridge: RemoteBridge | None = None  # set when a remote store is configured
 
     def claim(
@@ -102,7 +100,9 @@ class Claims:
             if not waited:
                 node.count(Counter.COALESCED_WAITS)
                 waited = True
-            if self._wait(key, claim.slot, deadline) and self._failed_uncacheable(key, claim.slot, claim.gen):
+            if waiting.wait_slice(node, key, claim.slot, deadline, self._config.compute_timeout_s) and (
+                waiting.failed_uncacheable(node, key, claim.slot, claim.gen)
+            ):
                 return Reservation(self, key, request_id)
 
     def _hit(
@@ -198,34 +198,6 @@ class Claims:
             return None
         return res if pulled is None else Reservation(None, res.key, res.request_id, value=pulled)
 
-    def _failed_uncacheable(self, key: EmbeddingCacheKey, slot: int, gen: int) -> bool:
-        """After the reservation (slot, gen) we waited on ended: True if its value could not be
-        stored (we compute it ourselves, uncached), `ComputeFailed` if its compute failed, False
-        otherwise (look again)."""
-        failure = self._node.failure(slot, gen)
-        if failure is None:
-            return False
-        kind, message = failure
-        if kind is FailureKind.UNCACHEABLE:
-            return True
-        raise ComputeFailed(f"{key!r}: the process computing it failed: {message}")
-
-    def _wait(self, key: EmbeddingCacheKey, slot: int, deadline: float) -> bool:
-        """Wait one slice on slot's reservation; False if the slice ran out before the deadline
-        (the caller looks again: the slot may hold another key by now), `ComputeTimeout` after it."""
-        node = self._node
-        try:
-            node.wait(slot, max(0.0, min(_WAIT_SLICE_S, deadline - time.monotonic())))
-        except SemaphoreTimeout:
-            if time.monotonic() < deadline:
-                return False
-            node.count(Counter.TIMEOUTS)
-            raise ComputeTimeout(
-                f"{key!r}: waited {self._config.compute_timeout_s}s for the compute of pid "
-                f"{node.reservations.owner_pid(slot)}"
-            ) from None
-        return True
-
     # ------------------------------------------------------------------ ReservationHolder
     def commit(self, reservation: Reservation, value: Value, *, view: bool) -> Value:
         """Store `value` for `reservation` and seal it; the cached view when `view`, else `value`.
@@ -303,6 +275,10 @@ class Claims:
 
     def withdraw(self, reservation: Reservation) -> None:
         self._end(reservation, FailureKind.NONE, "withdrawn")
+
+    def dropped(self, key: EmbeddingCacheKey, slot: int, gen: int) -> None:
+        ended = Reservation(None, key, None, slot=slot, gen=gen)  # (slot, gen) only: no holder
+        self._releases.later(functools.partial(self._end, ended, FailureKind.NONE, "dropped unended"))
 
     def _end(self, reservation: Reservation, kind: FailureKind, reason: str) -> None:
         """Abandon the reservation (fenced: not if another process adopted it or took it over);

@@ -7,7 +7,9 @@ cache wakes on the bell, pauses a few milliseconds so releases batch, waits for 
 reading released device aliases, then drops the pins in one node transaction. The pause holds no
 pin back: `release_now` (an allocation that found the arena full, a claim that found its stripe
 full) and `flush` release what is queued at once in the calling thread. One batch is released at
-a time (`_releasing`), so `release_now` also waits for a batch the thread is releasing.
+a time (`_releasing`), so `release_now` also waits for a batch the thread is releasing. The thread
+also runs what `later` queues before each batch: the withdraw of a reservation garbage collected
+unended (queued by its deallocator, which takes no lock itself).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class Releases:
     ) -> None:
         self._node, self._device, self._on_idle, self._watched = node, device, on_idle, watched
         self._queue: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()  # `later`
         self._bell: queue.SimpleQueue[bool] = queue.SimpleQueue()  # True: a pin queued; False: stop
         self._lock = threading.Lock()  # `_released`, `closing`
         self._releasing = threading.Lock()  # one batch at a time
@@ -64,6 +67,12 @@ class Releases:
     def enqueue(self, pin: tuple[int, int]) -> None:
         """The death callback of a view's mapping: the mapping of (slot, gen) died."""
         self._queue.put(pin)
+        self._bell.put(True)
+
+    def later(self, job: Callable[[], None]) -> None:
+        """Run `job` in the release thread soon, before its next batch (two `SimpleQueue.put`:
+        safe in a deallocator). A job that fails is logged."""
+        self._jobs.put(job)
         self._bell.put(True)
 
     def stop(self) -> None:
@@ -111,10 +120,23 @@ class Releases:
         """Release every pin queued (after a batch another thread is releasing), then call
         `on_idle` if that left no live view after `close`; True if it did."""
         with self._releasing:
+            self._run_jobs()
             idle = self._release()
         if idle:
             self._on_idle()
         return idle
+
+    def _run_jobs(self) -> None:
+        """Run what `later` queued, each once (a signal queues those not run yet again)."""
+        jobs = _drain(self._jobs)
+        for n, job in enumerate(jobs):
+            try:
+                job()
+            except Exception as exc:  # a stripe held too long, the namespace destroyed, ...
+                log.warning("shmcache: a deferred withdraw failed: %s", str(exc))
+            except BaseException:
+                list(map(self._jobs.put, jobs[n + 1 :]))
+                raise
 
     def _release(self) -> bool:
         """Unpin the queued pins of released views; True if a batch leaves no live view after

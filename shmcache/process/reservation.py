@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -48,16 +49,20 @@ class ReservationHolder(Protocol):
     def let_go(self, reservation: Reservation) -> bool:
         """Release a handed-over reservation once it was adopted; False while it is still ours."""
 
+    def dropped(self, key: EmbeddingCacheKey, slot: int, gen: int) -> None:
+        """The reservation (slot, gen) was garbage collected unended: withdraw it soon, elsewhere
+        (called from a deallocator)."""
+
 
 class Reservation:
     """The right to compute one key, or the value if it already existed.
 
     `value` is set on a hit. Otherwise the holder computes and calls `commit(value)` (which returns
     the cached view) or `abandon()`. As a context manager it abandons on an exception and on exit
-    without a commit. A reservation that could not be cached (no slot free in its stripe) has
-    `cached=False`: `commit` then returns the value as given. An owned reservation's `commit`
-    of a value the cache cannot hold (larger than it, or all of it referenced) raises
-    `CapacityError`, and its waiters compute the value themselves.
+    without a commit; one garbage collected unended is withdrawn soon after. A reservation that
+    could not be cached (no slot free in its stripe) has `cached=False`: `commit` then returns the
+    value as given. An owned reservation's `commit` of a value the cache cannot hold (larger than
+    it, or all of it referenced) raises `CapacityError`, and its waiters compute it themselves.
     """
 
     def __init__(
@@ -134,6 +139,14 @@ class Reservation:
         if not self._handed or self._holder is None:
             raise ReservationLost(f"{self.key!r}: this reservation was not handed over")
         return self._holder.let_go(self)
+
+    def __del__(self) -> None:
+        """One dropped unended (an exception between `try_reserve` and `commit`, items of
+        `try_reserve_many` left unused) is withdrawn soon by the cache's release thread, instead
+        of holding its key for the whole node until this process exits."""
+        if self._open and self.slot >= 0 and self._holder is not None:
+            with contextlib.suppress(Exception):  # interpreter exit: the process's end frees it
+                self._holder.dropped(self.key, self.slot, self.gen)
 
     def __enter__(self) -> Reservation:
         return self
