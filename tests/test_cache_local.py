@@ -13,6 +13,7 @@ from shmcache import (
     CacheConfig,
     CapacityError,
     ComputeFailed,
+    ComputeTimeout,
     EmbeddingCache,
     EmbeddingCacheKey,
     EncoderPreprocessingConfig,
@@ -321,3 +322,19 @@ def test_compute_failure_frees_the_key(config: CacheConfig, pconfig: EncoderPrep
             cache.get_or_compute(key(pconfig, "g"), lambda: "not a tensor")
         assert cache.get_or_compute(key(pconfig, "g"), lambda: [1]) == [1]
     assert issubclass(ComputeFailed, RuntimeError)
+
+
+def test_a_wait_on_a_reservation_of_this_process_says_so(
+    config: CacheConfig, pconfig: EncoderPreprocessingConfig
+) -> None:
+    """A reservation this thread holds and reserves again (a compute that asks for its own key)
+    can only time out: the error names this process, not a pid to go and look for."""
+    import dataclasses
+
+    with (
+        EmbeddingCache(dataclasses.replace(config, compute_timeout_s=0.3)) as cache,
+        cache.reserve(key(pconfig, "mine")) as res,
+    ):
+        with pytest.raises(ComputeTimeout, match="this process"):
+            cache.reserve(key(pconfig, "mine"))
+        res.abandon("done")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Final
 
@@ -26,9 +27,9 @@ def wait_slice(node: NodeIndex, key: EmbeddingCacheKey, slot: int, deadline: flo
         if time.monotonic() < deadline:
             return False
         node.count(Counter.TIMEOUTS)
-        raise ComputeTimeout(
-            f"{key!r}: waited {timeout_s}s for the compute of pid {node.reservations.owner_pid(slot)}"
-        ) from None
+        owner = node.reservations.owner_pid(slot)
+        by = f"pid {owner}" if owner != os.getpid() else "this process (a reservation of it not ended?)"
+        raise ComputeTimeout(f"{key!r}: waited {timeout_s}s for the compute of {by}") from None
     return True
 
 
