@@ -322,3 +322,6 @@ def test_the_holder_advertises_its_segment_at_the_host_given(capsys: pytest.Capt
     with pytest.raises(SystemExit) as exited:  # before: accepted, then ~20 retries against nothing
         remote_holder(["--master", "nohost"])
     assert exited.value.code == 2 and "not HOST:PORT (port 1..65535): 'nohost'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:  # before: accepted, and mooncake_client took port 4464
+        remote_holder(["--master", "127.0.0.1:50051", "--port", "70000"])
+    assert exited.value.code == 2 and "at most 65535" in capsys.readouterr().err

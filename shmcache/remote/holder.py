@@ -5,8 +5,10 @@ node's segment and outlives the workers; workers attach to it as thin clients
     shmcache remote-holder --master 127.0.0.1:50051 [--port 50052] [--segment "4 GB"] [--host IP]
 
 runs it in the foreground with P2PHANDSHAKE metadata, its segment advertised at `--host` (127.0.0.1
-by default: reachable from this host only; a cluster gives each node's own address, as workers'
-`remote_local_host`).
+by default: peers connect there; a cluster gives each node's own address, as workers'
+`remote_local_host`). Mooncake's transfer-engine listeners bind the wildcard address whatever the
+settings (upstream issue #1938): where other hosts must not reach them, firewall the node or run
+the holder in a network namespace with only `lo`.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import shutil
 import sys
 
 from shmcache.config import is_host_port, is_unicast_ipv4
+from shmcache.ops.argtypes import at_least
 
 __all__ = ["holder_command", "main"]
 
@@ -64,7 +67,12 @@ def main(argv: list[str] | None = None) -> int:
         "segment: copies published by workers attached to it outlive them.",
     )
     parser.add_argument("--master", type=_host_port, required=True, help="the Mooncake master, HOST:PORT")
-    parser.add_argument("--port", type=int, default=50052, help="the port workers attach to (remote_holder)")
+    parser.add_argument(
+        "--port",
+        type=at_least(1, at_most=65535),
+        default=50052,
+        help="the port workers attach to (remote_holder)",
+    )
     parser.add_argument("--segment", default="4 GB", help='the segment it mounts, e.g. "4 GB"')
     parser.add_argument(
         "--host", type=_ipv4, default="127.0.0.1", help="the node's IPv4 address other nodes pull from"
