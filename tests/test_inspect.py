@@ -3,21 +3,26 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import jsonschema
 import pytest
 import torch
 
 from shmcache import CacheConfig, EmbeddingCache
+from shmcache.kernel.namespace import object_names
 from shmcache.ops.inspect import main as inspect_main
 from shmcache.ops.snapshot import json_schema
 from shmcache.testing import ProcessPool
+from tests import workers
+from tests.helpers import kernel_objects, kill, spawn, wait_for
 from tests.workers import expected_value, key_of
 
 
@@ -264,3 +269,47 @@ def test_watch_ends_quietly_on_ctrl_c_and_when_its_reader_goes(shmcache_config: 
             for process in (watcher, reader_gone):  # a watcher that did not end polls forever
                 process.kill()
                 process.wait()
+
+
+def test_a_damaged_header_is_a_clear_error_and_destroy_force_removes_its_set(
+    shmcache_config: CacheConfig, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A stale namespace whose header says 0 stripes: `show`, `list` and `destroy` ended in a
+    ValueError traceback (the metrics scrape in HTTP 500), and `destroy --force` left its
+    semaphore set behind (its size could not be read off the damaged layout)."""
+    before = kernel_objects()
+    ready = tmp_path / "ready"
+    holder = spawn(workers.attach_and_die, shmcache_config, str(ready))
+    try:
+        wait_for(ready.exists, what="the holder")
+    finally:
+        kill(holder)
+    namespace = shmcache_config.namespace
+    with open(object_names(namespace).index_path, "r+b") as index:
+        index.seek(16)  # the header's stripes field
+        index.write(bytes(4))
+    code, _, err = run_inspect(capsys, "show", namespace)
+    assert code == 1 and "damaged header: stripes=0" in err
+    code, out, _ = run_inspect(capsys, "list")
+    assert code == 0 and "damaged header" in out
+    code, _, err = run_inspect(capsys, "destroy", namespace)
+    assert code == 1 and "damaged header" in err
+    code, out, _ = run_inspect(capsys, "destroy", namespace, "--force")
+    assert code == 0 and kernel_objects() == before  # its semaphore set too
+
+
+def test_list_into_a_reader_that_went_ends_quietly(shmcache_config: CacheConfig) -> None:
+    """Before: a BrokenPipeError traceback (only `show` handled it)."""
+    read, write = os.pipe()
+    os.close(read)  # gone before anything is written
+    try:
+        with EmbeddingCache(shmcache_config):
+            done = subprocess.run(
+                [sys.executable, "-m", "shmcache", "inspect", "list", "--json"],
+                stdout=write,
+                stderr=subprocess.PIPE,
+                timeout=120,
+            )
+    finally:
+        os.close(write)
+    assert done.returncode == 0 and b"Traceback" not in done.stderr, done.stderr

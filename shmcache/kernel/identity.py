@@ -26,7 +26,7 @@ import mmap
 from shmcache.config import MAX_CLIENTS, MAX_ENTRIES, MAX_PINS, MAX_WAYS, MIN_CAPACITY, MIN_PINS
 from shmcache.errors import CorruptSegment, LayoutMismatch
 from shmcache.kernel.ownership import Expected, check_semaphores, semaphore_owner
-from shmcache.kernel.semaphores import SemaphoreSet
+from shmcache.kernel.semaphores import SemaphoreSet, set_size
 from shmcache.keys.key import HASH_ALGORITHMS
 from shmcache.node.clients import start_ticks
 from shmcache.node.layout import (
@@ -40,7 +40,15 @@ from shmcache.node.layout import (
     Layout,
 )
 
-__all__ = ["attached_process", "check_header", "judge", "namespace_set", "never_written", "signature_of"]
+__all__ = [
+    "attached_process",
+    "check_header",
+    "judge",
+    "namespace_set",
+    "never_written",
+    "signature_of",
+    "signed_set",
+]
 
 _MAX_SIGNATURE = (1 << 30) - 1
 _PID_MAX_LIMIT = 1 << 22  # the kernel's largest pid: a held marker holds 0 or a pid
@@ -106,6 +114,21 @@ def namespace_set(header: Header, expected: Expected, *, strict: bool = True) ->
         )
     check_semaphores(header.semid, owner, expected)  # ours: the mode must be within bounds
     return sems
+
+
+def signed_set(header: Header, expected: Expected) -> SemaphoreSet | None:
+    """The set `header` names when its layout fields are damaged (the set cannot be sized by
+    them): ours, and carrying the header's signature in its last two semaphores, where every
+    layout keeps it; None otherwise. `ForeignObject` for another user's set."""
+    owner = semaphore_owner(header.semid)
+    if owner is None or not 0 < header.signature <= _MAX_SIGNATURE:
+        return None
+    check_semaphores(header.semid, owner, expected)  # raises unless ours
+    count = set_size(header.semid)
+    if count < 2:
+        return None
+    sems = SemaphoreSet(header.semid, count)
+    return sems if sems.value(count - 2) | sems.value(count - 1) << 15 == header.signature else None
 
 
 def attached_process(index: mmap.mmap, layout: Layout) -> int | None:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from shmcache.config import CacheConfig
 from shmcache.errors import CapacityError, CorruptSegment, ForeignObject, LayoutMismatch
 from shmcache.kernel.cowmap import CowMapper
-from shmcache.kernel.identity import judge, namespace_set, never_written
+from shmcache.kernel.identity import judge, namespace_set, never_written, signed_set
 from shmcache.kernel.lockfile import ANY_MODE, bootstrap_lock
 from shmcache.kernel.names import PREFIX, SHM_DIR, ObjectNames, list_namespaces, object_names
 from shmcache.kernel.ownership import Expected, open_verified, owner_by_name
@@ -351,8 +351,10 @@ def _set_to_remove(index_fd: int | None, expected: Expected) -> SemaphoreSet | N
         raw = MAGIC + raw[len(MAGIC) :]  # fields written, magic not yet: trust only a signed set
     try:
         header = Header.read(raw)
-        if header.layout_version != LAYOUT_VERSION or not _plausible(header):
+        if header.layout_version != LAYOUT_VERSION:
             return None
+        if not _plausible(header):  # damaged layout fields: the set is known by its signature
+            return signed_set(header, Expected(expected.uid, None))
         return namespace_set(header, Expected(expected.uid, None), strict=False)
     except CorruptSegment:
         return None  # nothing trustworthy names a semaphore set: leave IPC alone

@@ -22,7 +22,7 @@ import numpy as np
 
 from shmcache.errors import CacheClosed, SemaphoreTimeout
 
-__all__ = ["SemaphoreSet"]
+__all__ = ["SemaphoreSet", "set_size"]
 
 _IPC_PRIVATE: Final = 0
 _IPC_CREAT: Final = 0o1000
@@ -176,3 +176,16 @@ class SemaphoreSet:
             if code == errno.EAGAIN:
                 raise SemaphoreTimeout(f"{what} on semaphore {index} timed out after {timeout:.3f}s")
             _raise_errno(what)
+
+
+def set_size(semid: int, most: int = 1 << 16) -> int:
+    """How many semaphores set `semid` has (0 if it cannot be read): the first index GETVAL
+    refuses, found by bisection."""
+    low, high = 0, most
+    while low < high:
+        middle = (low + high) // 2
+        if _semctl(semid, middle, _GETVAL) < 0:
+            high = middle
+        else:
+            low = middle + 1
+    return low

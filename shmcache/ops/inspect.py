@@ -16,6 +16,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from shmcache.errors import ShmCacheError
@@ -223,12 +224,16 @@ def _destroy(namespace: str, force: bool) -> int:
     return 0
 
 
-def _show(args: argparse.Namespace) -> int:
+def _until_reader_goes(command: Callable[[], int]) -> int:
+    """Run `command` and flush what it printed; Ctrl-C (ending --watch) and a reader that went
+    (`| head`) end it with 0, without a traceback."""
     try:
-        return _show_until_stopped(args)
-    except KeyboardInterrupt:  # Ctrl-C ends --watch
+        code = command()
+        sys.stdout.flush()
+        return code
+    except KeyboardInterrupt:
         return 0
-    except BrokenPipeError:  # `show --watch --json | head`: the reader is gone
+    except BrokenPipeError:
         if sys.__stdout__ is not None and sys.stdout is sys.__stdout__:  # the command's own: no
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.__stdout__.fileno())  # second error at exit
         return 0
@@ -333,9 +338,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--host", default="127.0.0.1")
     args = parser.parse_args(argv)
     if args.command in (None, "list"):
-        return _list(getattr(args, "json", False))
+        return _until_reader_goes(lambda: _list(getattr(args, "json", False)))
     if args.command == "show":
-        return _show(args)
+        return _until_reader_goes(lambda: _show_until_stopped(args))
     if args.command == "gc":
         try:
             done = gc_namespace(args.namespace)

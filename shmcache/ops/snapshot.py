@@ -25,6 +25,7 @@ from shmcache.errors import CorruptSegment, CorruptValue, ShmCacheError
 from shmcache.format.decode import describe
 from shmcache.format.entry import ENTRY_HEADER_SIZE
 from shmcache.gpu.record import GpuRecord
+from shmcache.kernel.identity import check_header
 from shmcache.kernel.namespace import object_names
 from shmcache.kernel.ownership import Expected, check_semaphores, open_verified, semaphore_owner
 from shmcache.kernel.semaphores import SemaphoreSet
@@ -188,9 +189,8 @@ class _Index:
             raise CorruptSegment(
                 f"index of {namespace!r} has layout {header.layout_version}, expected {LAYOUT_VERSION}"
             )
+        check_header(header, len(buf), repr(namespace))  # fields in range (a layout of zero ways...)
         layout = header.layout
-        if len(buf) < layout.size:
-            raise CorruptSegment(f"index of {namespace!r} is truncated ({len(buf)} of {layout.size} bytes)")
         idx = memoryview(buf)
         sems = SemaphoreSet(header.semid, layout.semaphores)
         owner = semaphore_owner(header.semid)
