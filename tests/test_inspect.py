@@ -313,3 +313,27 @@ def test_list_into_a_reader_that_went_ends_quietly(shmcache_config: CacheConfig)
     finally:
         os.close(write)
     assert done.returncode == 0 and b"Traceback" not in done.stderr, done.stderr
+
+
+def test_a_handed_over_reservation_is_shown_with_the_process_computing_it(
+    shmcache_config: CacheConfig, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The owner is the process the record names: the adopter. Before, the semaphore's last user
+    was shown, the giver (the scheduler, not the worker computing)."""
+    with EmbeddingCache(shmcache_config) as cache:
+        res = cache.try_reserve(key_of("h"))
+        assert res is not None and res.owned
+        adopted, go = tmp_path / "adopted", tmp_path / "go"
+        adopter = spawn(workers.adopt_then, shmcache_config, res.hand_over(), "h", str(adopted), str(go))
+        try:
+            wait_for(adopted.exists, what="the adoption")
+            assert res.let_go()
+            snap = json.loads(run_inspect(capsys, "show", shmcache_config.namespace, "--json")[1])
+            [shown] = snap["reservations"]
+            assert (shown["owner_pid"], shown["owner_alive"]) == (adopter.pid, True)
+            go.touch()
+            adopter.join(60)
+            assert adopter.exitcode == 0
+        finally:
+            if adopter.is_alive():
+                kill(adopter)

@@ -230,11 +230,16 @@ class _Index:
         modality, kind = META.unpack_from(self.buf, self.layout.slot_off(slot) + S_META)
         return _name(MODALITIES, modality), _name(KEY_KINDS, kind)
 
-    def reservation(self, slot: int, digest: str, gen: int) -> ReservationInfo:
-        sem = self.layout.slot_sem(slot)
+    def reservation(self, slot: int, digest: str, record: SlotRecord) -> ReservationInfo:
+        """Its owner is the process its record names (after a hand-over: the adopter, where the
+        semaphore's last user is the giver); alive while anyone holds its semaphore."""
+        sem, gen = self.layout.slot_sem(slot), record.gen
+        owner = int(self.clients.pids[record.owner]) if 0 <= record.owner < self.layout.clients else 0
         if not self.sems_readable:
-            return ReservationInfo(slot, digest[:16], gen, 0, False)
-        return ReservationInfo(slot, digest[:16], gen, self.sems.last_pid(sem), bool(self.sem_values[sem]))
+            return ReservationInfo(slot, digest[:16], gen, owner, False)
+        return ReservationInfo(
+            slot, digest[:16], gen, owner or self.sems.last_pid(sem), bool(self.sem_values[sem])
+        )
 
     def holders(self, slot: int, gen: int) -> list[int]:
         """Pids of live clients holding pins on entry (slot, gen)."""
@@ -278,7 +283,7 @@ class _Index:
             slot = int(found)
             record, _valid = self.slots.raw(slot)
             if record.state == SlotState.RESERVED:
-                reservations.append(self.reservation(slot, self.key(slot)[1], record.gen))
+                reservations.append(self.reservation(slot, self.key(slot)[1], record))
             else:
                 entries.append(self.entry(slot, record, arena, now))
         return entries, reservations
