@@ -337,3 +337,26 @@ def test_a_handed_over_reservation_is_shown_with_the_process_computing_it(
         finally:
             if adopter.is_alive():
                 kill(adopter)
+
+
+def test_a_damaged_slot_record_is_shown_damaged_and_its_size_not_counted(
+    shmcache_config: CacheConfig, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A stray write into one slot's size: the entry was shown sealed with that size, and the
+    namespace 'used 32768.0 GiB, free -32768.0 GiB'."""
+    with EmbeddingCache(shmcache_config) as cache:
+        cache.put(key_of("kept"), expected_value("kept", 64))
+        cache.put(key_of("hit"), expected_value("hit", 64))
+        cache.flush_releases()
+        kept = json.loads(run_inspect(capsys, "show", shmcache_config.namespace, "--json")[1])
+        slot = next(e["slot"] for e in kept["entries"] if e["key"] == key_of("hit").hex[:16])
+        cache._node.slots.array["size"][slot] = 1 << 45  # the crc no longer verifies
+        code, out, _ = run_inspect(capsys, "show", shmcache_config.namespace, "--json")
+        snap = json.loads(out)
+        assert code == 0
+        jsonschema.validate(snap, json_schema())
+        shown = {e["slot"]: e for e in snap["entries"]}
+        assert (shown[slot]["state"], shown[slot]["size_bytes"]) == ("damaged", 0)
+        before = {e["slot"]: e["size_bytes"] for e in kept["entries"]}
+        assert snap["used_bytes"] == kept["used_bytes"] - before[slot]
+        assert "damaged" in run_inspect(capsys, "show", shmcache_config.namespace)[1]

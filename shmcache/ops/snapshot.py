@@ -15,7 +15,7 @@ import json
 import mmap
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from importlib import resources
 from typing import Any
 
@@ -60,7 +60,7 @@ __all__ = [
     "take_snapshot",
 ]
 
-SNAPSHOT_SCHEMA_VERSION = 3  # 2: entries carry `gpu`; 3: stats carry `gpu_bytes`, both gpu figures as stats()
+SNAPSHOT_SCHEMA_VERSION = 4  # 2: entries carry `gpu`; 3: stats carry `gpu_bytes`; 4: state `damaged`
 SCHEMA_FILE = "inspect_schema.json"  # package data of shmcache.ops, beside this module
 
 
@@ -281,12 +281,20 @@ class _Index:
         reservations: list[ReservationInfo] = []
         for found in np.nonzero(self.slots.array["state"] != SlotState.EMPTY)[0]:
             slot = int(found)
-            record, _valid = self.slots.raw(slot)
-            if record.state == SlotState.RESERVED:
+            record, valid = self.slots.raw(slot)
+            if not valid:  # its fields are not to be believed: shown, described by nothing
+                entry = self.entry(slot, record._replace(size=0), None, now)
+                entries.append(replace(entry, state="damaged", references=0, holder_pids=[], gpu=None))
+            elif record.state == SlotState.RESERVED:
                 reservations.append(self.reservation(slot, self.key(slot)[1], record))
             else:
                 entries.append(self.entry(slot, record, arena, now))
         return entries, reservations
+
+    def used_bytes(self) -> int:
+        """The extents of the non-empty slots whose records verify (a damaged size is not counted)."""
+        found = np.nonzero(self.slots.array["state"] != SlotState.EMPTY)[0]
+        return sum(record.size for record, valid in map(self.slots.raw, map(int, found)) if valid)
 
     def entry(self, slot: int, record: SlotRecord, arena: mmap.mmap | None, now: float) -> EntryInfo:
         """The sealed or stale entry of `slot` (its value described from `arena`), as seen at `now`."""
@@ -361,14 +369,13 @@ def take_snapshot(
     if max_entries is not None:
         entries = entries[:max_entries]
     stats = node.stats()
-    slots = node.slots.array
     return NamespaceSnapshot(
         namespace=namespace,
         uid=uid,
         live=bool(node.client_alive.any()),
         settings=node.settings(),
         capacity_bytes=node.header.capacity,
-        used_bytes=int(slots["size"][slots["state"] != SlotState.EMPTY].sum()),
+        used_bytes=node.used_bytes(),
         stats=stats,
         entries=entries,
         reservations=reservations,
