@@ -160,3 +160,44 @@ def test_a_reservation_dropped_unended_is_withdrawn(config: CacheConfig, tmp_pat
         finally:
             other.join(30)
         assert cache.stats()["compute_failures"] == 0  # withdrawn: no failure reported to waiters
+
+
+def test_a_reservation_handed_back_leaves_its_semaphore_free_once_sealed(
+    config: CacheConfig, tmp_path: Path
+) -> None:
+    """A hands to B, B hands back to A before A let go: A's second adoption joined the semaphore
+    again, but A held it for that generation once, so a unit stayed taken after the seal (the
+    slot could never be reserved again while A lived)."""
+    with EmbeddingCache(config) as cache:
+        first = cache.try_reserve(key_of("b"))
+        assert first is not None and first.owned
+        back, go = tmp_path / "back", tmp_path / "go"
+        other = spawn(workers.adopt_and_hand_back, config, first.hand_over(), "b", str(back), str(go))
+        try:
+            wait_for(back.exists, what="the ticket handed back")
+            again = cache.adopt(pickle.loads(back.read_bytes()), key_of("b"))
+            assert again is not None and again.owned
+            go.touch()
+            other.join(60)
+            assert other.exitcode == 0
+        finally:
+            if other.is_alive():
+                kill(other)
+        value = again.commit(expected_value("b"))
+        assert first.let_go()
+        assert not cache._node.reservations.owner_alive(again.slot)  # nobody holds it (1 before)
+        del value
+
+
+def test_close_withdraws_the_reservations_it_did_not_end(config: CacheConfig) -> None:
+    """Before: the key stayed reserved until the process exited (its semaphore held), and the
+    record named a client row the detach had given back."""
+    with EmbeddingCache(config) as other:
+        closing = EmbeddingCache(config)
+        res = closing.try_reserve(key_of("c"))
+        assert res is not None and res.owned
+        closing.close()
+        mine = other.try_reserve(key_of("c"))
+        assert mine is not None and mine.owned and other.stats()["compute_failures"] == 0
+        mine.abandon()
+        del res

@@ -4,6 +4,7 @@ touched from a forked child."""
 
 from __future__ import annotations
 
+import gc
 import os
 import stat
 
@@ -85,3 +86,24 @@ def test_a_cache_is_refused_in_a_forked_child(config: CacheConfig) -> None:
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0
         assert cache.get(key_of("x")) is not None  # the parent's cache is untouched
+
+
+def test_a_forked_child_never_ends_its_parents_reservation(config: CacheConfig) -> None:
+    """A child dropping its copy of the parent's reservation, then flushing: the withdraw queued
+    by its deallocator ran with the parent's client record (the parent's commit: ReservationLost)."""
+    with EmbeddingCache(config) as cache:
+        res = cache.try_reserve(key_of("f"))
+        assert res is not None and res.owned
+        pid = os.fork()
+        if pid == 0:  # the child: never returns to pytest
+            try:
+                del res
+                gc.collect()
+                cache.flush_releases()
+            finally:
+                os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        value = res.commit(torch.ones(2))
+        assert torch.equal(value, torch.ones(2))
+        del value

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import pickle
 import resource
 import threading
 import time
@@ -339,3 +340,18 @@ def map_past_idle_mappings(path: str) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (used + (100 << 20), resource.RLIM_INFINITY))
     large = mapper.view(0, 200 << 20)
     assert large.nbytes == 200 << 20 and mapper.idle() == 0
+
+
+def adopt_and_hand_back(config: CacheConfig, ticket: Any, name: str, back: str, go: str) -> None:
+    """Adopt the reservation of `name`, hand it back at once (its ticket pickled into `back`), then
+    let go once the file `go` appears."""
+    cache = EmbeddingCache(config)
+    res = cache.adopt(ticket, key_of(name))
+    assert res is not None
+    Path(back + ".tmp").write_bytes(pickle.dumps(res.hand_over()))
+    os.rename(back + ".tmp", back)
+    while not Path(go).exists():
+        time.sleep(0.01)
+    while not res.let_go():
+        time.sleep(0.01)
+    cache.close()

@@ -300,7 +300,7 @@ def _token_list(array: Any) -> list[int]:
 
 
 def _array_signature(array: np.ndarray[Any, Any]) -> tuple[Any, ...]:
-    return array.shape, array.strides, array.dtype  # its memory cannot be swapped in place
+    return array.shape, array.strides, array.dtype, array.flags.writeable  # memory: not swappable
 
 
 def _tensor_signature(tensor: Any) -> tuple[Any, ...]:

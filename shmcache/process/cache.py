@@ -309,14 +309,15 @@ class EmbeddingCache:
         return reaped
 
     def close(self) -> None:
-        """Release this process's references and detach; the last process to detach removes the
-        namespace. Views still alive keep their pins until they are garbage collected (or the
-        interpreter exits), and the detach waits for that."""
+        """Release this process's references, withdraw its reservations not ended, and detach; the
+        last process to detach removes the namespace. Views still alive keep their pins until
+        they are garbage collected (or the interpreter exits), and the detach waits for that."""
         if not self._enabled or self._closed or _forked_since(self._forks):
             self._closed = True
             return
         for request_id in self._requests.ids():
             self.cleanup_request(request_id)
+        self._claims.close()  # reservations not ended: withdrawn (their leases too)
         if self._bridge is not None:
             self._bridge.close()
         _close_quietly(self._device)
@@ -327,7 +328,7 @@ class EmbeddingCache:
     def flush_releases(self) -> None:
         """Release the pins of views already garbage collected now, in this thread, instead of
         within the release thread's few milliseconds; a closed cache then finishes its detach."""
-        if not self._enabled:
+        if not self._enabled or _forked_since(self._forks):  # a forked child's are its parent's
             return
         with self._detach_lock:
             if self._detached:

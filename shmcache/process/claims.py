@@ -15,16 +15,16 @@ from collections.abc import Sequence
 
 from shmcache.config import CacheConfig
 from shmcache.errors import (
+    CacheClosed,
     CapacityError,
     InvalidKey,
-    PinLimitReached,
 )
 from shmcache.format import entry, values
 from shmcache.format.values import Value
 from shmcache.gpu.side import DeviceSide
 from shmcache.keys.key import EmbeddingCacheKey
 from shmcache.node.index import NodeIndex
-from shmcache.node.layout import Counter, key_meta, needle_of
+from shmcache.node.layout import Counter, key_meta
 from shmcache.node.reservations import Claim, ClaimKind
 from shmcache.node.slots import FailureKind, SealedEntry
 from shmcache.process import waiting
@@ -224,7 +224,8 @@ class Claims:
 
         sealed = None
         try:
-            sealed = node.commit(slot, gen, entry.entry_size(encoded), write, self._pins(request_id, view))
+            pins = self._views.commit_pins(request_id, view=view)
+            sealed = node.commit(slot, gen, entry.entry_size(encoded), write, pins)
         except CapacityError:
             node.count(Counter.UNCACHEABLE)
             raise
@@ -232,12 +233,12 @@ class Claims:
             if exported:
                 self._settle_export(slot, gen)
             if self.bridge is not None and sealed is None:  # failed: another node takes over
-                self.bridge.end_lease(reservation, failed=True)
+                self.bridge.end_lease(slot, gen, failed=True)
         node.count(Counter.PUTS)
         node.count(Counter.BYTES_PUT, sealed.size)
         if self.bridge is not None:
             self.bridge.publish(key, sealed)
-        return self._hand_out(reservation, value, sealed, view=view)
+        return self._views.hand_out(reservation.key, request_id, value, sealed, view=view)
 
     def _settle_export(self, slot: int, gen: int) -> None:
         """After a seal (or its failure): our device copy is read by others only if its record
@@ -247,45 +248,30 @@ class Claims:
         else:
             self._device.exports.published(slot, gen)
 
-    def _pins(self, request_id: RequestId | None, view: bool) -> int:
-        """The pins a commit takes: a delivery's when it returns the cached view, else a request
-        ref (the caller keeps its own value)."""
-        return self._views.pins_for(request_id) if view else int(request_id is not None)
-
-    def _hand_out(self, reservation: Reservation, value: Value, sealed: SealedEntry, *, view: bool) -> Value:
-        request_id = reservation.request_id
-        if not sealed.pinned:  # stored for everyone; this process was out of pin records
-            try:
-                pinned = self._views.pin_late(sealed, request_id, self._pins(request_id, view))
-            except PinLimitReached as exc:
-                exc.value = value  # the caller keeps what it computed
-                raise
-            if pinned is None:
-                return value  # it keeps its own value
-            sealed = pinned
-        if not view:
-            if request_id is not None:
-                self._requests.add(request_id, sealed.slot, sealed.gen)
-            return value
-        result = self._views.deliver(reservation.key, needle_of(reservation.key), sealed, request_id)
-        return value if result is None else result
-
     def abandon(self, reservation: Reservation, reason: str) -> None:
-        self._end(reservation, FailureKind.FAILED, reason)
+        self._end(reservation.slot, reservation.gen, FailureKind.FAILED, reason)
 
     def withdraw(self, reservation: Reservation) -> None:
-        self._end(reservation, FailureKind.NONE, "withdrawn")
+        self._end(reservation.slot, reservation.gen, FailureKind.NONE, "withdrawn")
 
-    def dropped(self, key: EmbeddingCacheKey, slot: int, gen: int) -> None:
-        ended = Reservation(None, key, None, slot=slot, gen=gen)  # (slot, gen) only: no holder
-        self._releases.later(functools.partial(self._end, ended, FailureKind.NONE, "dropped unended"))
+    def dropped(self, slot: int, gen: int) -> None:
+        self._releases.later(functools.partial(self._end, slot, gen, FailureKind.NONE, "dropped unended"))
 
-    def _end(self, reservation: Reservation, kind: FailureKind, reason: str) -> None:
-        """Abandon the reservation (fenced: not if another process adopted it or took it over);
-        its lease is removed if it ended here, else only forgotten (the adopter holds it)."""
-        ended = self._node.abandon(reservation.slot, reservation.gen, kind, reason)
+    def close(self) -> None:
+        """Withdraw the reservations this process still holds (fenced: of one another process
+        adopted only our hold is dropped), so that the node's waiters look again now."""
+        try:
+            for slot, gen in self._node.reservations.holding().items():
+                self._end(slot, gen, FailureKind.NONE, "its cache was closed")
+        except CacheClosed:  # the namespace was destroyed under us: nothing is left to end
+            pass
+
+    def _end(self, slot: int, gen: int, kind: FailureKind, reason: str) -> None:
+        """Abandon reservation (slot, gen) (fenced: not if another process adopted it or took it
+        over); its lease is removed if it ended here, else only forgotten (the adopter holds it)."""
+        ended = self._node.abandon(slot, gen, kind, reason)
         if self.bridge is not None:
-            self.bridge.end_lease(reservation, failed=ended)
+            self.bridge.end_lease(slot, gen, failed=ended)
 
     def ticket(self, reservation: Reservation) -> ReservationTicket:
         return ReservationTicket(
@@ -300,7 +286,7 @@ class Claims:
     def let_go(self, reservation: Reservation) -> bool:
         adopted_or_ended = self._node.let_go(reservation.slot, reservation.gen)
         if adopted_or_ended and self.bridge is not None:
-            self.bridge.end_lease(reservation, failed=False)  # the adopter holds it now
+            self.bridge.end_lease(reservation.slot, reservation.gen, failed=False)  # the adopter's now
         return adopted_or_ended
 
     def adopt(

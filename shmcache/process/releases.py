@@ -119,8 +119,8 @@ class Releases:
     def _release_queued(self) -> bool:
         """Release every pin queued (after a batch another thread is releasing), then call
         `on_idle` if that left no live view after `close`; True if it did."""
+        self._run_jobs()  # not under `_releasing`: a job may wait on the remote store
         with self._releasing:
-            self._run_jobs()
             idle = self._release()
         if idle:
             self._on_idle()

@@ -49,7 +49,7 @@ class ReservationHolder(Protocol):
     def let_go(self, reservation: Reservation) -> bool:
         """Release a handed-over reservation once it was adopted; False while it is still ours."""
 
-    def dropped(self, key: EmbeddingCacheKey, slot: int, gen: int) -> None:
+    def dropped(self, slot: int, gen: int) -> None:
         """The reservation (slot, gen) was garbage collected unended: withdraw it soon, elsewhere
         (called from a deallocator)."""
 
@@ -146,7 +146,7 @@ class Reservation:
         of holding its key for the whole node until this process exits."""
         if self._open and self.slot >= 0 and self._holder is not None:
             with contextlib.suppress(Exception):  # interpreter exit: the process's end frees it
-                self._holder.dropped(self.key, self.slot, self.gen)
+                self._holder.dropped(self.slot, self.gen)
 
     def __enter__(self) -> Reservation:
         return self

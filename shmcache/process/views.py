@@ -28,7 +28,7 @@ from shmcache.gpu.side import DeviceSide
 from shmcache.kernel.namespace import Segments
 from shmcache.keys.key import EmbeddingCacheKey
 from shmcache.node.index import NodeIndex
-from shmcache.node.layout import Counter
+from shmcache.node.layout import Counter, needle_of
 from shmcache.node.slots import SealedEntry
 from shmcache.process.releases import Releases
 from shmcache.process.requests import RequestRefs
@@ -100,6 +100,38 @@ class Views:
             if request_id is not None:
                 raise
         return None
+
+    def commit_pins(self, request_id: RequestId | None, *, view: bool) -> int:
+        """The pins a commit takes: a delivery's when it returns the cached view, else a request
+        ref (the caller keeps its own value)."""
+        return self.pins_for(request_id) if view else int(request_id is not None)
+
+    def hand_out(
+        self,
+        key: EmbeddingCacheKey,
+        request_id: RequestId | None,
+        value: Value,
+        sealed: SealedEntry,
+        *,
+        view: bool,
+    ) -> Value:
+        """What a commit returns for the entry it sealed: the cached view (`view`), else `value`;
+        a request's reference taken either way."""
+        if not sealed.pinned:  # stored for everyone; this process was out of pin records
+            try:
+                pinned = self.pin_late(sealed, request_id, self.commit_pins(request_id, view=view))
+            except PinLimitReached as exc:
+                exc.value = value  # the caller keeps what it computed
+                raise
+            if pinned is None:
+                return value  # it keeps its own value
+            sealed = pinned
+        if not view:
+            if request_id is not None:
+                self._requests.add(request_id, sealed.slot, sealed.gen)
+            return value
+        result = self.deliver(key, needle_of(key), sealed, request_id)
+        return value if result is None else result
 
     def forget(self) -> None:
         """Drop every live mapping (detach)."""

@@ -242,10 +242,10 @@ class RemoteBridge:
         our failure) removes it."""
         self._leases[(reservation.slot, reservation.gen)] = held
 
-    def end_lease(self, reservation: Reservation, *, failed: bool) -> None:
-        """The reservation ended here: forget its lease, and remove it if the compute failed (a
-        waiting node then takes over at once instead of at the lease's deadline)."""
-        held = self._leases.pop((reservation.slot, reservation.gen), None)
+    def end_lease(self, slot: int, gen: int, *, failed: bool) -> None:
+        """Reservation (slot, gen) ended here: forget its lease, and remove it if the compute
+        failed (a waiting node then takes over at once instead of at the lease's deadline)."""
+        held = self._leases.pop((slot, gen), None)
         if held is not None and failed:
             lease.release(self.store, held)
 
