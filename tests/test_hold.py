@@ -70,3 +70,13 @@ def test_a_bad_hold_config_is_refused(fields: dict[str, object], said: bytes, tm
     finally:
         holder.kill()  # a holder that did not refuse holds until killed
     assert holder.returncode == 2 and said in err and not (tmp_path / "ready").exists()
+
+
+def test_a_ready_file_that_cannot_be_made_is_a_clear_error(namespace: str, tmp_path: Path) -> None:
+    """Before: a FileNotFoundError traceback. The namespace it opened is closed again."""
+    holder = _hold({"namespace": namespace}, tmp_path / "missing" / "ready")
+    try:
+        _out, err = holder.communicate(timeout=60)
+    finally:
+        holder.kill()
+    assert holder.returncode == 1 and b"No such file or directory" in err and b"Traceback" not in err

@@ -159,17 +159,11 @@ def test_a_count_out_of_range_is_a_usage_error(args: list[str], capsys: pytest.C
     assert exited.value.code == 2 and "must be 0 or more" in capsys.readouterr().err
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_serve_metrics_on_loopback(shmcache_config: CacheConfig) -> None:
+    """On --port 0 it says the port it bound (it printed 0 before)."""
     with EmbeddingCache(shmcache_config) as cache:
         cache.get_or_compute(key_of("m"), lambda: expected_value("m", 64))
         cache.get(key_of("m"))
-        port = _free_port()
         server = subprocess.Popen(
             [
                 sys.executable,
@@ -179,13 +173,16 @@ def test_serve_metrics_on_loopback(shmcache_config: CacheConfig) -> None:
                 "serve-metrics",
                 shmcache_config.namespace,
                 "--port",
-                str(port),
+                "0",
             ],
             stdout=subprocess.PIPE,
             text=True,
         )
         try:
-            assert "127.0.0.1" in (server.stdout.readline() if server.stdout else "")
+            said = server.stdout.readline() if server.stdout else ""
+            assert said.startswith("serving shmcache metrics on http://127.0.0.1:"), said
+            port = int(said.rsplit(":", 1)[1].split("/")[0])
+            assert port > 0
             text = ""
             for _ in range(50):
                 try:
@@ -233,7 +230,7 @@ def test_collector_inside_a_process(shmcache_config: CacheConfig) -> None:
         assert "absent-namespace" not in text
 
 
-@pytest.mark.parametrize("command", ["show", "gc", "destroy"])
+@pytest.mark.parametrize("command", ["show", "gc", "destroy", "serve-metrics"])
 def test_a_bad_namespace_name_is_a_clear_error(command: str, capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run_inspect(capsys, command, "../escape")
     assert code == 1 and "namespace must match" in err

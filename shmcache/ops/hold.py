@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
                 Path(args.ready).touch()
             print(f"shmcache hold: holding namespace {config.namespace!r}", flush=True)
             stop.wait()
-    except ShmCacheError as exc:
+    except (ShmCacheError, OSError) as exc:  # OSError: --ready in a folder that does not exist
         print(f"shmcache hold: {exc}", file=sys.stderr)
         return 1
     return 0

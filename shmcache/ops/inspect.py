@@ -262,14 +262,21 @@ def _serve(args: argparse.Namespace) -> int:
 
     from shmcache.ops.metrics import ShmCacheCollector
 
+    try:
+        for namespace in args.namespaces:
+            object_names(namespace)  # a name that cannot be a namespace's is refused, not dropped
+    except ShmCacheError as exc:
+        print(f"shmcache-inspect: {exc}", file=sys.stderr)
+        return 1
     registry = CollectorRegistry()
     registry.register(ShmCacheCollector(args.namespaces or None))
     try:
-        start_http_server(args.port, addr=args.host, registry=registry)
+        server, _thread = start_http_server(args.port, addr=args.host, registry=registry)
     except OSError as exc:  # the port is taken, or the host is not an address of this machine
         print(f"shmcache-inspect: cannot serve on {args.host}:{args.port}: {exc.strerror}", file=sys.stderr)
         return 1
-    print(f"serving shmcache metrics on http://{args.host}:{args.port}/metrics", flush=True)
+    port = server.server_address[1]  # the one bound: --port 0 takes a free one
+    print(f"serving shmcache metrics on http://{args.host}:{port}/metrics", flush=True)
     try:
         while True:
             time.sleep(3600)
