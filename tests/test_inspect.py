@@ -357,3 +357,31 @@ def test_a_damaged_slot_record_is_shown_damaged_and_its_size_not_counted(
         before = {e["slot"]: e["size_bytes"] for e in kept["entries"]}
         assert snap["used_bytes"] == kept["used_bytes"] - before[slot]
         assert "damaged" in run_inspect(capsys, "show", shmcache_config.namespace)[1]
+
+
+def test_an_index_not_written_yet_is_being_created_and_watch_keeps_watching(
+    namespace: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A namespace caught between its index's creation and its header (an engine restarting):
+    it read as a damaged index ('bad magic'), and `show --watch` stopped with rc 1."""
+    path = object_names(namespace).index_path
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, 4096)
+        code, _, err = run_inspect(capsys, "show", namespace)
+        assert code == 1 and "is being created" in err and "damaged" not in err
+        command = [sys.executable, "-m", "shmcache", "inspect", "show", namespace, "--watch", "0.05"]
+        watcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            assert watcher.stderr is not None
+            said = [watcher.stderr.readline() for _ in range(2)]  # two ticks: it goes on
+            assert all(b"is being created" in line for line in said), said
+            assert watcher.poll() is None
+            watcher.send_signal(signal.SIGINT)
+            assert watcher.wait(30) == 0
+        finally:
+            watcher.kill()
+            watcher.wait()
+    finally:
+        os.close(fd)
+        os.unlink(path)

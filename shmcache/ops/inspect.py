@@ -244,8 +244,11 @@ def _show_until_stopped(args: argparse.Namespace) -> int:
         try:
             snap = take_snapshot(args.namespace, max_entries=args.entries)
         except ShmCacheError as exc:
-            print(f"shmcache-inspect: {exc}", file=sys.stderr)
-            return 1
+            print(f"shmcache-inspect: {exc}", file=sys.stderr, flush=True)
+            if not args.watch:
+                return 1
+            time.sleep(args.watch)  # absent or being created again (an engine restarting, say)
+            continue
         if args.json:
             print(json.dumps(snap.to_json(), indent=None if args.watch else 2), flush=True)
         else:

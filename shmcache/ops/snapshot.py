@@ -25,7 +25,7 @@ from shmcache.errors import CorruptSegment, CorruptValue, ShmCacheError
 from shmcache.format.decode import describe
 from shmcache.format.entry import ENTRY_HEADER_SIZE
 from shmcache.gpu.record import GpuRecord
-from shmcache.kernel.identity import check_header
+from shmcache.kernel.identity import check_header, never_written
 from shmcache.kernel.namespace import object_names
 from shmcache.kernel.ownership import Expected, check_semaphores, open_verified, semaphore_owner
 from shmcache.kernel.semaphores import SemaphoreSet
@@ -35,6 +35,7 @@ from shmcache.node.clients import ClientTable
 from shmcache.node.counters import Counters
 from shmcache.node.layout import (
     CLIENT_HEAD,
+    HEADER_SIZE,
     KEY_DIGEST,
     KEY_HEAD,
     KEY_SIZE,
@@ -181,6 +182,8 @@ class _Index:
 
     @classmethod
     def open(cls, namespace: str, buf: IndexBuffer, uid: int) -> _Index:
+        if never_written(bytes(buf[:HEADER_SIZE])):  # not damaged: its creator has not written it yet
+            raise ShmCacheError(f"namespace {namespace!r} is being created (its index is not written yet)")
         try:
             header = Header.read(buf)
         except CorruptSegment as exc:
