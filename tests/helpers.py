@@ -22,9 +22,11 @@ __all__ = [
     "inspect_show",
     "file_offset",
     "kernel_objects",
+    "finished",
     "kill",
     "pages_present",
     "physical_page",
+    "running",
     "sealed_slot",
     "settle",
     "spawn",
@@ -43,6 +45,23 @@ def spawn(target: Callable[..., Any], *args: Any) -> mp.process.BaseProcess:
     proc = mp.get_context("spawn").Process(target=target, args=args, daemon=True)
     proc.start()
     return proc
+
+
+@contextlib.contextmanager
+def running(target: Callable[..., Any], *args: Any) -> Iterator[mp.process.BaseProcess]:
+    """`spawn(target, *args)` for the block; killed at its end if still alive (the block failed)."""
+    proc = spawn(target, *args)
+    try:
+        yield proc
+    finally:
+        if proc.is_alive():
+            kill(proc)
+
+
+def finished(proc: mp.process.BaseProcess, timeout: float = 60.0) -> bool:
+    """Whether `proc` ends with exit code 0 within `timeout` seconds."""
+    proc.join(timeout)
+    return proc.exitcode == 0
 
 
 def kill(proc: mp.process.BaseProcess) -> None:

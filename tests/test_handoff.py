@@ -10,7 +10,7 @@ from pathlib import Path
 
 from shmcache import CacheConfig, EmbeddingCache, ReservationTicket
 from tests import workers
-from tests.helpers import kill, spawn, wait_for
+from tests.helpers import finished, kill, running, spawn, wait_for
 from tests.workers import expected_value, fingerprint, key_of
 
 
@@ -172,17 +172,14 @@ def test_a_reservation_handed_back_leaves_its_semaphore_free_once_sealed(
         first = cache.try_reserve(key_of("b"))
         assert first is not None and first.owned
         back, go = tmp_path / "back", tmp_path / "go"
-        other = spawn(workers.adopt_and_hand_back, config, first.hand_over(), "b", str(back), str(go))
-        try:
+        with running(
+            workers.adopt_and_hand_back, config, first.hand_over(), "b", str(back), str(go)
+        ) as other:
             wait_for(back.exists, what="the ticket handed back")
             again = cache.adopt(pickle.loads(back.read_bytes()), key_of("b"))
             assert again is not None and again.owned
             go.touch()
-            other.join(60)
-            assert other.exitcode == 0
-        finally:
-            if other.is_alive():
-                kill(other)
+            assert finished(other)
         value = again.commit(expected_value("b"))
         assert first.let_go()
         assert not cache._node.reservations.owner_alive(again.slot)  # nobody holds it (1 before)

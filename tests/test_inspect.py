@@ -22,7 +22,7 @@ from shmcache.ops.inspect import main as inspect_main
 from shmcache.ops.snapshot import json_schema
 from shmcache.testing import ProcessPool
 from tests import workers
-from tests.helpers import kernel_objects, kill, spawn, wait_for
+from tests.helpers import finished, kernel_objects, kill, running, spawn, wait_for
 from tests.workers import expected_value, key_of
 
 
@@ -321,19 +321,15 @@ def test_a_handed_over_reservation_is_shown_with_the_process_computing_it(
         res = cache.try_reserve(key_of("h"))
         assert res is not None and res.owned
         adopted, go = tmp_path / "adopted", tmp_path / "go"
-        adopter = spawn(workers.adopt_then, shmcache_config, res.hand_over(), "h", str(adopted), str(go))
-        try:
+        ticket = res.hand_over()
+        with running(workers.adopt_then, shmcache_config, ticket, "h", str(adopted), str(go)) as adopter:
             wait_for(adopted.exists, what="the adoption")
             assert res.let_go()
             snap = json.loads(run_inspect(capsys, "show", shmcache_config.namespace, "--json")[1])
             [shown] = snap["reservations"]
             assert (shown["owner_pid"], shown["owner_alive"]) == (adopter.pid, True)
             go.touch()
-            adopter.join(60)
-            assert adopter.exitcode == 0
-        finally:
-            if adopter.is_alive():
-                kill(adopter)
+            assert finished(adopter)
 
 
 def test_a_damaged_slot_record_is_shown_damaged_and_its_size_not_counted(

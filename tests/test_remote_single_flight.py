@@ -20,7 +20,7 @@ from shmcache.remote.lease import LEASE_SUFFIX
 from shmcache.remote.store import RemoteStore, remote_key
 from shmcache.testing import MooncakeHolder, MooncakeMaster
 from tests import workers
-from tests.helpers import kill, spawn, wait_for
+from tests.helpers import finished, kill, running, spawn, wait_for
 from tests.test_remote import remote_config
 from tests.workers import expected_value, fingerprint, key_of
 
@@ -213,8 +213,7 @@ def test_a_lease_goes_with_the_reservation_handed_over(
         ticket = res.hand_over()
         assert ticket.lease is not None and ticket.lease.token == token
         adopted, go = tmp_path / "adopted", tmp_path / "go"
-        adopter = spawn(workers.adopt_then, config, ticket, "k", str(adopted), str(go), fail)
-        try:
+        with running(workers.adopt_then, config, ticket, "k", str(adopted), str(go), fail) as adopter:
             wait_for(adopted.exists, what="the adoption")
             assert adopted.read_text() == "adopted"
             if giver_withdraws:
@@ -223,11 +222,7 @@ def test_a_lease_goes_with_the_reservation_handed_over(
             assert a._bridge is not None and a._bridge.lease_of(res) is None  # forgotten here
             assert _lease_in_store(a, "k") == token  # still held: by the worker now
             go.touch()
-            adopter.join(60)
-            assert adopter.exitcode == 0
-        finally:
-            if adopter.is_alive():
-                kill(adopter)
+            assert finished(adopter)
         assert _lease_in_store(a, "k") is None  # removed by the worker, not left to its deadline
         started = time.monotonic()
         value = b.get_or_compute(key_of("k"), lambda: expected_value("k"))
