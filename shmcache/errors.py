@@ -24,6 +24,7 @@ __all__ = [
     "KeyTypeError",
     "LayoutMismatch",
     "LockTimeout",
+    "NamespaceUnavailable",
     "PinLimitReached",
     "ProtocolViolation",
     "RemoteUnavailable",
@@ -133,6 +134,10 @@ class RemoteUnavailable(ShmCacheError, ConnectionError):
 
 class ArgumentTypeError(ShmCacheError, TypeError):
     """An argument of a public call has a type the call does not take."""
+
+
+class NamespaceUnavailable(ShmCacheError, FileNotFoundError):
+    """A namespace that does not exist, or whose index is not written yet (being created)."""
 
 
 class RequestIdTypeError(ArgumentTypeError):

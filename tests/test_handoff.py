@@ -186,15 +186,26 @@ def test_a_reservation_handed_back_leaves_its_semaphore_free_once_sealed(
         del value
 
 
-def test_close_withdraws_the_reservations_it_did_not_end(config: CacheConfig) -> None:
-    """Before: the key stayed reserved until the process exited (its semaphore held), and the
-    record named a client row the detach had given back."""
+def test_close_leaves_a_reservation_in_use_to_its_holder_and_withdraws_one_dropped(
+    config: CacheConfig,
+) -> None:
+    """A thread may still be computing when another closes the cache (a live view defers the
+    detach): its commit must land, and nothing may free its extent under it. A reservation
+    dropped unended before the close is withdrawn by it, release thread or not."""
     with EmbeddingCache(config) as other:
         closing = EmbeddingCache(config)
-        res = closing.try_reserve(key_of("c"))
-        assert res is not None and res.owned
+        closing.put(key_of("v"), expected_value("v"))
+        view = closing.get(key_of("v"))  # defers the detach
+        in_use, dropped = closing.try_reserve(key_of("c")), closing.try_reserve(key_of("d"))
+        assert in_use is not None and in_use.owned and dropped is not None and dropped.owned
+        del dropped
         closing.close()
-        mine = other.try_reserve(key_of("c"))
-        assert mine is not None and mine.owned and other.stats()["compute_failures"] == 0
-        mine.abandon()
-        del res
+        assert other.try_reserve(key_of("c")) is None  # still its holder's
+        again = other.try_reserve(key_of("d"))
+        assert again is not None and again.owned  # withdrawn
+        again.abandon()
+        value = in_use.commit(expected_value("c"))
+        assert fingerprint(value) == fingerprint(expected_value("c"))
+        assert fingerprint(other.get(key_of("c"))) == fingerprint(expected_value("c"))  # type: ignore[arg-type]
+        del value, view
+        closing.flush_releases()  # the last view gone: the closed cache detaches

@@ -19,7 +19,7 @@ import torch
 from shmcache import CacheConfig, EmbeddingCache
 from shmcache.kernel.namespace import object_names
 from shmcache.ops.inspect import main as inspect_main
-from shmcache.ops.snapshot import json_schema
+from shmcache.ops.records import json_schema
 from shmcache.testing import ProcessPool
 from tests import workers
 from tests.helpers import finished, kernel_objects, kill, running, spawn, wait_for
@@ -230,9 +230,14 @@ def test_collector_inside_a_process(shmcache_config: CacheConfig) -> None:
         assert "absent-namespace" not in text
 
 
-@pytest.mark.parametrize("command", ["show", "gc", "destroy", "serve-metrics"])
-def test_a_bad_namespace_name_is_a_clear_error(command: str, capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = run_inspect(capsys, command, "../escape")
+@pytest.mark.parametrize(
+    "command", [["show"], ["show", "--watch", "1"], ["gc"], ["destroy"], ["serve-metrics"]]
+)
+def test_a_bad_namespace_name_is_a_clear_error(
+    command: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--watch` keeps watching only a namespace absent or being created, not a name that cannot be one."""
+    code, _, err = run_inspect(capsys, command[0], "../escape", *command[1:])
     assert code == 1 and "namespace must match" in err
 
 

@@ -119,11 +119,12 @@ def namespace_set(header: Header, expected: Expected, *, strict: bool = True) ->
 def signed_set(header: Header, expected: Expected) -> SemaphoreSet | None:
     """The set `header` names when its layout fields are damaged (the set cannot be sized by
     them): ours, and carrying the header's signature in its last two semaphores, where every
-    layout keeps it; None otherwise. `ForeignObject` for another user's set."""
+    layout keeps it; None otherwise (another user's set too: a damaged header may name any)."""
     owner = semaphore_owner(header.semid)
     if owner is None or not 0 < header.signature <= _MAX_SIGNATURE:
         return None
-    check_semaphores(header.semid, owner, expected)  # raises unless ours
+    if owner.uid != expected.uid or owner.cuid != expected.uid:
+        return None
     count = set_size(header.semid)
     if count < 2:
         return None

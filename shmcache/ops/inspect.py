@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from shmcache.errors import ShmCacheError
+from shmcache.errors import NamespaceUnavailable, ShmCacheError
 from shmcache.kernel.namespace import (
     PREFIX,
     SHM_DIR,
@@ -34,7 +34,8 @@ from shmcache.node.index import NodeIndex
 from shmcache.node.layout import Counter as C
 from shmcache.node.slots import SlotState
 from shmcache.ops.argtypes import at_least
-from shmcache.ops.snapshot import ClientInfo, EntryInfo, NamespaceSnapshot, ReservationInfo, take_snapshot
+from shmcache.ops.records import ClientInfo, EntryInfo, NamespaceSnapshot, ReservationInfo
+from shmcache.ops.snapshot import take_snapshot
 
 __all__ = ["gc_namespace", "main", "render"]
 
@@ -245,7 +246,7 @@ def _show_until_stopped(args: argparse.Namespace) -> int:
             snap = take_snapshot(args.namespace, max_entries=args.entries)
         except ShmCacheError as exc:
             print(f"shmcache-inspect: {exc}", file=sys.stderr, flush=True)
-            if not args.watch:
+            if not args.watch or not isinstance(exc, NamespaceUnavailable):
                 return 1
             time.sleep(args.watch)  # absent or being created again (an engine restarting, say)
             continue

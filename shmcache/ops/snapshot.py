@@ -11,17 +11,15 @@ and the arena is read after it: entries whose bytes do not verify are shown with
 
 from __future__ import annotations
 
-import json
 import mmap
 import os
 import time
-from dataclasses import asdict, dataclass, field, replace
-from importlib import resources
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
-from shmcache.errors import CorruptSegment, CorruptValue, ShmCacheError
+from shmcache.errors import CorruptSegment, CorruptValue, NamespaceUnavailable
 from shmcache.format.decode import describe
 from shmcache.format.entry import ENTRY_HEADER_SIZE
 from shmcache.gpu.record import GpuRecord
@@ -48,97 +46,15 @@ from shmcache.node.layout import (
 )
 from shmcache.node.pins import PinTable
 from shmcache.node.slots import SealedEntry, SlotRecord, SlotState, SlotTable
+from shmcache.ops.records import (
+    ClientInfo,
+    EntryInfo,
+    NamespaceSnapshot,
+    ReservationInfo,
+)
 from shmcache.process.stats import occupancy
 
-__all__ = [
-    "SCHEMA_FILE",
-    "SNAPSHOT_SCHEMA_VERSION",
-    "ClientInfo",
-    "EntryInfo",
-    "NamespaceSnapshot",
-    "ReservationInfo",
-    "json_schema",
-    "take_snapshot",
-]
-
-SNAPSHOT_SCHEMA_VERSION = 4  # 2: entries carry `gpu`; 3: stats carry `gpu_bytes`; 4: state `damaged`
-SCHEMA_FILE = "inspect_schema.json"  # package data of shmcache.ops, beside this module
-
-
-@dataclass(frozen=True)
-class EntryInfo:
-    """One sealed or stale entry."""
-
-    slot: int
-    key: str  # hex digest prefix
-    algorithm: str
-    modality: str
-    key_kind: str
-    state: str
-    generation: int
-    size_bytes: int
-    value_kind: str | None
-    arrays: list[dict[str, Any]]  # [{"dtype": ..., "shape": [...]}]
-    age_s: float
-    ttl_left_s: float | None
-    references: int
-    holder_pids: list[int]
-    gpu: dict[str, Any] | None = None  # the device copy: uuid, exporter pid, alive, withdrawn, bytes
-
-
-@dataclass(frozen=True)
-class ReservationInfo:
-    """A key being computed right now."""
-
-    slot: int
-    key: str
-    generation: int
-    owner_pid: int
-    owner_alive: bool
-
-
-@dataclass(frozen=True)
-class ClientInfo:
-    """An attached process (alive, or dead and not yet reaped)."""
-
-    record: int
-    pid: int
-    alive: bool
-    attached_at: float
-    pins: int
-
-
-@dataclass(frozen=True)
-class NamespaceSnapshot:
-    """Everything `shmcache-inspect show` reports about one namespace."""
-
-    namespace: str
-    uid: int
-    live: bool
-    settings: dict[str, Any]
-    capacity_bytes: int
-    used_bytes: int
-    stats: dict[str, int]
-    entries: list[EntryInfo] = field(default_factory=list)
-    reservations: list[ReservationInfo] = field(default_factory=list)
-    clients: list[ClientInfo] = field(default_factory=list)
-
-    @property
-    def free_bytes(self) -> int:
-        return self.capacity_bytes - self.used_bytes
-
-    def to_json(self) -> dict[str, Any]:
-        """The documented JSON form (docs/inspect.md; its schema: `json_schema()`)."""
-        data = asdict(self)
-        data["schema_version"] = SNAPSHOT_SCHEMA_VERSION
-        data["free_bytes"] = self.free_bytes
-        return data
-
-
-def json_schema() -> dict[str, Any]:
-    """The JSON Schema (2020-12) of `NamespaceSnapshot.to_json`, as installed with the package."""
-    schema: dict[str, Any] = json.loads(resources.files("shmcache.ops").joinpath(SCHEMA_FILE).read_text())
-    return schema
+__all__ = ["take_snapshot"]
 
 
 def _map_readonly(path: str, uid: int, what: str) -> mmap.mmap | None:
@@ -183,7 +99,10 @@ class _Index:
     @classmethod
     def open(cls, namespace: str, buf: IndexBuffer, uid: int) -> _Index:
         if never_written(bytes(buf[:HEADER_SIZE])):  # not damaged: its creator has not written it yet
-            raise ShmCacheError(f"namespace {namespace!r} is being created (its index is not written yet)")
+            raise NamespaceUnavailable(
+                f"namespace {namespace!r} is being created (its index is not written yet; if no process "
+                "is creating it, `shmcache-inspect gc` removes it)"
+            )
         try:
             header = Header.read(buf)
         except CorruptSegment as exc:
@@ -237,7 +156,10 @@ class _Index:
         """Its owner is the process its record names (after a hand-over: the adopter, where the
         semaphore's last user is the giver); alive while anyone holds its semaphore."""
         sem, gen = self.layout.slot_sem(slot), record.gen
-        owner = int(self.clients.pids[record.owner]) if 0 <= record.owner < self.layout.clients else 0
+        row = record.owner  # its pid only while the row is a live client (a dead one's row is reused)
+        owner = (
+            int(self.clients.pids[row]) if 0 <= row < self.layout.clients and self.client_alive[row] else 0
+        )
         if not self.sems_readable:
             return ReservationInfo(slot, digest[:16], gen, owner, False)
         return ReservationInfo(
@@ -287,7 +209,8 @@ class _Index:
             record, valid = self.slots.raw(slot)
             if not valid:  # its fields are not to be believed: shown, described by nothing
                 entry = self.entry(slot, record._replace(size=0), None, now)
-                entries.append(replace(entry, state="damaged", references=0, holder_pids=[], gpu=None))
+                damaged = replace(entry, state="damaged", age_s=0.0, ttl_left_s=None, references=0)
+                entries.append(replace(damaged, holder_pids=[], gpu=None))
             elif record.state == SlotState.RESERVED:
                 reservations.append(self.reservation(slot, self.key(slot)[1], record))
             else:
@@ -352,14 +275,14 @@ def _name(names: tuple[str, ...], code: int) -> str:
 def take_snapshot(
     namespace: str, uid: int | None = None, *, max_entries: int | None = None
 ) -> NamespaceSnapshot:
-    """Snapshot `namespace` (of `uid`, default this user). Raises `ShmCacheError` if it does not exist,
-    `CorruptSegment` if its index is damaged and `ForeignObject` if one of its objects is not owned
-    by `uid` (squatted) or is not readable by this user."""
+    """Snapshot `namespace` (of `uid`, default this user). Raises `NamespaceUnavailable` if it does
+    not exist (or is being created), `CorruptSegment` if its index is damaged and `ForeignObject`
+    if one of its objects is not owned by `uid` (squatted) or is not readable by this user."""
     uid = os.geteuid() if uid is None else uid
     names = object_names(namespace, uid)
     buf = _copy_index(names.index_path, uid)
     if buf is None:
-        raise ShmCacheError(f"namespace {namespace!r} of uid {uid} does not exist")
+        raise NamespaceUnavailable(f"namespace {namespace!r} of uid {uid} does not exist")
     node = _Index.open(namespace, buf, uid)
     now = time.monotonic()
     arena = _map_readonly(names.arena_path, uid, "arena segment")

@@ -309,15 +309,15 @@ class EmbeddingCache:
         return reaped
 
     def close(self) -> None:
-        """Release this process's references, withdraw its reservations not ended, and detach; the
-        last process to detach removes the namespace. Views still alive keep their pins until
+        """Release this process's references and detach; the last process to detach removes the
+        namespace. Reservations dropped unended are withdrawn here; one still referenced is its
+        holder's to end (a thread may be computing it). Views still alive keep their pins until
         they are garbage collected (or the interpreter exits), and the detach waits for that."""
         if not self._enabled or self._closed or _forked_since(self._forks):
             self._closed = True
             return
         for request_id in self._requests.ids():
             self.cleanup_request(request_id)
-        self._claims.close()  # reservations not ended: withdrawn (their leases too)
         if self._bridge is not None:
             self._bridge.close()
         _close_quietly(self._device)

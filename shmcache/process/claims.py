@@ -15,7 +15,6 @@ from collections.abc import Sequence
 
 from shmcache.config import CacheConfig
 from shmcache.errors import (
-    CacheClosed,
     CapacityError,
     InvalidKey,
 )
@@ -256,15 +255,6 @@ class Claims:
 
     def dropped(self, slot: int, gen: int) -> None:
         self._releases.later(functools.partial(self._end, slot, gen, FailureKind.NONE, "dropped unended"))
-
-    def close(self) -> None:
-        """Withdraw the reservations this process still holds (fenced: of one another process
-        adopted only our hold is dropped), so that the node's waiters look again now."""
-        try:
-            for slot, gen in self._node.reservations.holding().items():
-                self._end(slot, gen, FailureKind.NONE, "its cache was closed")
-        except CacheClosed:  # the namespace was destroyed under us: nothing is left to end
-            pass
 
     def _end(self, slot: int, gen: int, kind: FailureKind, reason: str) -> None:
         """Abandon reservation (slot, gen) (fenced: not if another process adopted it or took it
