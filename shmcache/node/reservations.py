@@ -84,11 +84,6 @@ class Reservations:
         with self._lock:
             return set(self._held)
 
-    def holding(self) -> dict[int, int]:
-        """The reservations whose semaphore this process holds: slot -> generation."""
-        with self._lock:
-            return dict(self._held)
-
     def _acquire(self, slot: int, gen: int) -> bool:
         """Take slot's semaphore without waiting, for reservation (slot, gen); remember it."""
         if not self._sems.try_acquire(self._layout.slot_sem(slot)):
@@ -212,7 +207,9 @@ class Reservations:
         record = self._slots.read(slot)
         if record is None or not record.owned_by(giver, gen) or giver == self.client:
             return False
-        if self.holding().get(slot) == gen:  # handed back to us before we let go: our hold stays
+        with self._lock:
+            ours = self._held.get(slot) == gen
+        if ours:  # handed back to us before we let go: our hold stays
             self._slots.write(slot, record.state, record._replace(owner=self.client))
             return True
         if not self._sems.join(self._layout.slot_sem(slot)):
