@@ -13,6 +13,7 @@ __all__ = [
     "CacheClosed",
     "CapacityError",
     "ComputeFailed",
+    "ComputeReentered",
     "ComputeTimeout",
     "ConfigTypeError",
     "CorruptSegment",
@@ -93,6 +94,12 @@ class ForeignObject(ShmCacheError, PermissionError):
 
 class ComputeTimeout(ShmCacheError, TimeoutError):
     """Waiting for another process's compute of the same key took longer than compute_timeout_s."""
+
+
+class ComputeReentered(ShmCacheError, RecursionError):
+    """A compute asked for the very key it is computing, in the thread computing it: it would wait
+    on itself until compute_timeout_s (a compute function or encoder that calls back into the
+    cache for its own key)."""
 
 
 class ComputeFailed(ShmCacheError, RuntimeError):

@@ -4,6 +4,7 @@ joins the outputs in order, bit-identical to the unwrapped encoder on the whole 
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 from collections.abc import Iterator
 from typing import Any
@@ -11,7 +12,14 @@ from typing import Any
 import pytest
 import torch
 
-from shmcache import ArgumentTypeError, CacheConfig, ConfigTypeError, EmbeddingCache, InvalidKey
+from shmcache import (
+    ArgumentTypeError,
+    CacheConfig,
+    ComputeReentered,
+    ConfigTypeError,
+    EmbeddingCache,
+    InvalidKey,
+)
 from shmcache.integrations.encoder import CachedEncoder
 from tests.encoders import batch, build
 from tests.helpers import spawn
@@ -182,9 +190,42 @@ def test_install_routes_a_modules_own_calls_and_uninstall_undoes_it(config: Cach
             assert "forward" not in tower.__dict__ and torch.equal(tower(*args, **kwargs), want)
 
 
-def test_a_disabled_cache_calls_the_encoder_as_is(config: CacheConfig) -> None:
-    import dataclasses
+def test_installing_again_replaces_the_hook(config: CacheConfig) -> None:
+    """A second install (a plug-in set up twice) wraps the module's own forward, not the first
+    hook: otherwise the inner hook would wait on the items the outer one reserved."""
+    with EmbeddingCache(dataclasses.replace(config, compute_timeout_s=20)) as cache:
+        encoder = build("qwen2-vl")
+        tower, own = encoder.module, encoder.module.forward
+        args, kwargs = batch("qwen2-vl", [1, 2])
+        settings: dict[str, Any] = {"items": encoder.items, "preprocessing": encoder.preprocessing()}
+        with torch.no_grad():
+            want = tower(*args, **kwargs)
+            CachedEncoder.install(tower, cache, modality="image", **settings)
+            hook = CachedEncoder.install(tower, cache, modality="image", **settings)
+            assert tower.forward is hook and hook.encoder == own
+            assert torch.equal(tower(*args, **kwargs), want)
+            assert cache.stats()["entries"] == 2
+            CachedEncoder.uninstall(tower)
+            assert "forward" not in tower.__dict__
 
+
+def test_a_hook_around_a_hook_of_the_same_items_fails_at_once(config: CacheConfig) -> None:
+    """The inner hook is asked for the items the outer one is computing, in the same thread:
+    `ComputeReentered` at once (not a wait on itself until compute_timeout_s); nothing is kept."""
+    with EmbeddingCache(dataclasses.replace(config, compute_timeout_s=20)) as cache:
+        encoder, inner = _hooked(cache, "clip")
+        outer = CachedEncoder(
+            cache, inner, items=encoder.items, preprocessing=inner.preprocessing, modality="image"
+        )
+        args, kwargs = batch("clip", [1, 2])
+        with pytest.raises(ComputeReentered):
+            outer(*args, **kwargs)
+        stats = cache.stats()
+        assert stats["reserved"] == 0 and stats["entries"] == 0
+        assert torch.equal(inner(*args, **kwargs), encoder(*args, **kwargs))
+
+
+def test_a_disabled_cache_calls_the_encoder_as_is(config: CacheConfig) -> None:
     with EmbeddingCache(dataclasses.replace(config, enable_embedding_cache=False)) as cache:
         encoder, hook = _hooked(cache, "clip")
         args, kwargs = batch("clip", [1, 1])

@@ -96,8 +96,7 @@ class EmbeddingCache:
         self._device = DeviceSide(
             node, reads_host=config.gpu_reads == "host", export_bytes=config.gpu_export_bytes
         )
-        self._detach_lock = threading.RLock()
-        self._detached = False
+        self._detach_lock, self._detached = threading.RLock(), False
         self._requests = RequestRefs()
         self._releases = Releases(node, self._device, self._detach, segments.arena_views.watched)
         node.reclaim = self._releases.release_now  # when full: our dead views' pins first
@@ -189,7 +188,8 @@ class EmbeddingCache:
                 return compute_fn()
             node.count(Counter.COMPUTES)
             try:
-                value = compute_fn()
+                with res.computing():
+                    value = compute_fn()
             except BaseException as exc:
                 node.count(Counter.COMPUTE_FAILURES)
                 res.abandon(f"{type(exc).__name__}: {exc}")

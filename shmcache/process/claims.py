@@ -8,22 +8,21 @@ node's `commit` transaction, which abandons the reservation on any failure.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import mmap
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from shmcache.config import CacheConfig
-from shmcache.errors import (
-    CapacityError,
-    InvalidKey,
-)
+from shmcache.errors import CapacityError, ComputeReentered, InvalidKey
 from shmcache.format import entry, values
 from shmcache.format.values import Value
 from shmcache.gpu.side import DeviceSide
 from shmcache.keys.key import EmbeddingCacheKey
 from shmcache.node.index import NodeIndex
-from shmcache.node.layout import Counter, key_meta
+from shmcache.node.layout import Counter, key_meta, needle_of
 from shmcache.node.reservations import Claim, ClaimKind
 from shmcache.node.slots import FailureKind, SealedEntry
 from shmcache.process import waiting
@@ -52,6 +51,27 @@ class Claims:
         self._node, self._arena, self._config = node, arena, config
         self._views, self._device, self._requests, self._releases = views, device, requests, releases
         self.bridge: RemoteBridge | None = None  # set when a remote store is configured
+        self._computing = threading.local()  # `needles`: the keys this thread is computing
+
+    @contextlib.contextmanager
+    def computing(self, reservation: Reservation) -> Iterator[None]:
+        """While this thread computes `reservation`'s value, a wait of this thread for its key
+        raises `ComputeReentered` instead of waiting on itself until compute_timeout_s."""
+        here = self._computing_here()
+        needle = needle_of(reservation.key)
+        outermost = needle not in here
+        here.add(needle)
+        try:
+            yield
+        finally:
+            if outermost:
+                here.discard(needle)
+
+    def _computing_here(self) -> set[bytes]:
+        here: set[bytes] | None = getattr(self._computing, "needles", None)
+        if here is None:
+            here = self._computing.needles = set()
+        return here
 
     def claim(
         self,
@@ -99,10 +119,18 @@ class Claims:
             if not waited:
                 node.count(Counter.COALESCED_WAITS)
                 waited = True
-            if waiting.wait_slice(node, key, claim.slot, deadline, self._config.compute_timeout_s) and (
-                waiting.failed_uncacheable(node, key, claim.slot, claim.gen)
-            ):
+            if self._wait_out(claim, key, needle, deadline):
                 return Reservation(self, key, request_id)
+
+    def _wait_out(self, claim: Claim, key: EmbeddingCacheKey, needle: bytes, deadline: float) -> bool:
+        """One slice of the wait on another holder's reservation `claim`; True if it ended with
+        a value that could not be stored (we compute it ourselves, uncached)."""
+        if needle in self._computing_here():
+            raise ComputeReentered(f"{key!r}: asked for by its own compute (it would wait on itself)")
+        node = self._node
+        return waiting.wait_slice(node, key, claim.slot, deadline, self._config.compute_timeout_s) and (
+            waiting.failed_uncacheable(node, key, claim.slot, claim.gen)
+        )
 
     def _hit(
         self,

@@ -49,6 +49,9 @@ class ReservationHolder(Protocol):
     def let_go(self, reservation: Reservation) -> bool:
         """Release a handed-over reservation once it was adopted; False while it is still ours."""
 
+    def computing(self, reservation: Reservation) -> contextlib.AbstractContextManager[None]:
+        """Mark this thread as computing `reservation`'s value while the block runs."""
+
     def dropped(self, slot: int, gen: int) -> None:
         """The reservation (slot, gen) was garbage collected unended: withdraw it soon, elsewhere
         (called from a deallocator)."""
@@ -122,6 +125,14 @@ class Reservation:
             self._open = False
             if self._holder is not None and self.slot >= 0:
                 self._holder.withdraw(self)
+
+    def computing(self) -> contextlib.AbstractContextManager[None]:
+        """A block in which this thread computes the value: a wait of this thread for the same
+        key inside it (a compute calling back into the cache for its own key) raises
+        `ComputeReentered` at once instead of waiting on itself until compute_timeout_s."""
+        if not self.owned or self._holder is None:
+            return contextlib.nullcontext()
+        return self._holder.computing(self)
 
     def hand_over(self) -> ReservationTicket:
         """Hand the right to compute to another process (of the same engine, say): it calls

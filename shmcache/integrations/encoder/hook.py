@@ -93,8 +93,12 @@ class CachedEncoder:
         modality: Modality,
     ) -> CachedEncoder:
         """Route `module`'s calls (`module(x, ...)`, as its owner makes them) through the cache,
-        by setting its instance's `forward`; `uninstall(module)` undoes it."""
-        hook = cls(cache, module.forward, items=items, preprocessing=preprocessing, modality=modality)
+        by setting its instance's `forward`; `uninstall(module)` undoes it. Installing again
+        replaces the hook installed before (a hook around a hook would run the encoder under
+        reservations its inner hook then waits on)."""
+        installed = module.__dict__.get("forward")
+        encoder = installed.encoder if isinstance(installed, CachedEncoder) else module.forward
+        hook = cls(cache, encoder, items=items, preprocessing=preprocessing, modality=modality)
         module.forward = hook
         return hook
 
@@ -161,6 +165,7 @@ class CachedEncoder:
         with contextlib.ExitStack() as stack:
             for res in ours.values():
                 stack.enter_context(res)
+                stack.enter_context(res.computing())
             args, kwargs = self.items.subset(call, items)
             results = self.items.cut(self.encoder(*args, **kwargs), call, items)
             for i, result in zip(items, results, strict=True):
