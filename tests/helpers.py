@@ -81,6 +81,18 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 30.0, what: str = "
         time.sleep(0.01)
 
 
+def longest_stall(seconds: float) -> float:
+    """The longest this thread waited for a 10 ms sleep to return over `seconds`: Mooncake's
+    set-up holds the GIL (4.3 s against a closed port, 30 s against a stopped master)."""
+    longest, last = 0.0, time.monotonic()
+    end = last + seconds
+    while last < end:
+        time.sleep(0.01)
+        now = time.monotonic()
+        longest, last = max(longest, now - last), now
+    return longest
+
+
 def sealed_slot(cache: Any) -> int:
     """The slot of the only sealed entry of `cache` (for tests that damage it on purpose)."""
     states = cache._node.slots.array["state"]

@@ -21,12 +21,14 @@ import pytest
 from shmcache import CacheConfig, EmbeddingCache, destroy_namespace
 from shmcache.errors import InvalidConfig
 from shmcache.node.layout import Counter
+from shmcache.remote.connection import free_port
 from shmcache.remote.holder import holder_command
 from shmcache.remote.holder import main as remote_holder
 from shmcache.remote.store import RemoteStore
 from shmcache.testing import MooncakeHolder, MooncakeMaster
-from tests.helpers import InterruptAtLine, kill, spawn, wait_for
+from tests.helpers import InterruptAtLine, kill, longest_stall, spawn, wait_for
 from tests.test_remote import remote_config
+from tests.test_remote_recovery import _available
 from tests.workers import expected_value, fingerprint, key_of
 
 CLIENT_TTL_S = 2  # this master drops a dead client's segment about this long after its death
@@ -114,6 +116,29 @@ def test_a_thin_client_pulls_and_publishes_through_the_holder(
             del got
     finally:
         destroy_namespace(thin.namespace)
+
+
+def test_a_thin_client_whose_holder_starts_late_picks_it_up_without_stalling(
+    shmcache_mooncake: MooncakeMaster, shmcache_namespace: str
+) -> None:
+    """The node's holder is not running yet when a worker opens: the open and the recovery
+    probes leave the process running (before: each `setup_dummy` against the closed port held
+    the GIL for 4.3 s), and the holder is used once it starts."""
+    port = free_port()
+    thin = remote_config(shmcache_namespace, shmcache_mooncake.address, remote_holder=f"127.0.0.1:{port}")
+    started = time.monotonic()
+    with EmbeddingCache(thin) as cache:
+        opened = time.monotonic() - started
+        cache.get_or_compute(key_of("late"), lambda: expected_value("late", 4096))  # node-local
+        stalled = longest_stall(5.0)
+        holder = MooncakeHolder(shmcache_mooncake, port=port)
+        try:
+            wait_for(lambda: _available(cache), timeout=60, what="the holder to be picked up")
+            cache.get_or_compute(key_of("published"), lambda: expected_value("published", 4096))
+            wait_for(lambda: cache.stats()["remote_publishes"] == 1, what="a publish through the holder")
+        finally:
+            holder.kill()
+    assert opened < 3.0 and stalled < 2.0, (opened, stalled)
 
 
 @pytest.mark.parametrize("ttl", [0, -1, 2.5, True, "2"])

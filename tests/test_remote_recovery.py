@@ -22,7 +22,7 @@ from shmcache.remote.answers import MASTER_GONE, OBJECT_NOT_FOUND
 from shmcache.remote.store import RemoteStore
 from shmcache.testing import MooncakeMaster
 from tests import workers
-from tests.helpers import spawn, wait_for
+from tests.helpers import longest_stall, spawn, wait_for
 from tests.test_remote import remote_config
 from tests.workers import expected_value, fingerprint, key_of
 
@@ -97,16 +97,30 @@ def test_a_hung_master_costs_one_bounded_wait_then_none(
         wait_for(lambda: _available(cache), timeout=30, what="the master to be seen again")
 
 
-def test_a_master_down_at_open_is_picked_up_when_it_starts(shmcache_namespace: str) -> None:
+def test_a_master_down_at_open_is_picked_up_when_it_starts_and_never_stalls_the_process(
+    shmcache_namespace: str,
+) -> None:
+    """Down at open (its port closed), then back but hung (SIGSTOP), then answering: the open and
+    every recovery probe meanwhile leave the process running (before: the prober's set-up froze
+    it for 4.3 s per probe, 30 s against the hung master); the late master is picked up."""
     master = MooncakeMaster()
     master.kill()  # its port is known and free: an operator starts the master later
     try:
+        started = time.monotonic()
         with EmbeddingCache(remote_config(shmcache_namespace, master.address)) as cache:
+            opened = time.monotonic() - started
             assert _value(cache, "x") == fingerprint(expected_value("x"))  # node-local meanwhile
+            down = longest_stall(6.0)  # probes at 0.25, 0.5, 1, 2 and 4 s
             master.restart()
-            wait_for(lambda: _available(cache), timeout=30, what="the late master to be picked up")
+            os.kill(master.process.pid, signal.SIGSTOP)
+            try:
+                hung = longest_stall(8.0)
+            finally:
+                os.kill(master.process.pid, signal.SIGCONT)
+            wait_for(lambda: _available(cache), timeout=60, what="the late master to be picked up")
             assert _value(cache, "y") == fingerprint(expected_value("y"))
             wait_for(lambda: cache.stats()["remote_publishes"] >= 1, timeout=30, what="a publish")
+        assert opened < 3.0 and down < 2.0 and hung < 2.0, (opened, down, hung)
     finally:
         master.kill()
 

@@ -18,7 +18,7 @@ import torch
 
 from shmcache import EmbeddingCache
 from shmcache.errors import RemoteUnavailable
-from shmcache.remote.store import free_port
+from shmcache.remote.connection import free_port
 from shmcache.testing import MooncakeMaster
 from tests.helpers import wait_for
 from tests.test_remote import remote_config

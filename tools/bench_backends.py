@@ -235,6 +235,6 @@ def _wait_for_port(port: int, timeout: float = 10.0) -> None:
 
 
 def _free_port() -> int:
-    from shmcache.remote.store import free_port
+    from shmcache.remote.connection import free_port
 
     return free_port()

@@ -26,7 +26,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import socket
 import threading
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
@@ -55,14 +54,14 @@ from shmcache.remote.answers import (
     nothing_in_flight,
     taints,
 )
+from shmcache.remote.connection import Connection
 from shmcache.remote.health import Health
 from shmcache.remote.staging import Staging
 
-__all__ = ["RemoteStore", "free_port", "remote_key"]
+__all__ = ["RemoteStore", "remote_key"]
 
 log = logging.getLogger("shmcache")
 
-_PROBE_BUFFER = 1 << 20  # a thin client's local buffer: the recovery probe's 1-byte put
 _TOO_LARGE = 1  # not a Mooncake code: a value larger than the thin client's publish buffer
 Stuck = Callable[[Future[Any]], None] | None  # told of a call that outlived its wait
 PROBE_KEY = "shmcache@probe"  # the recovery probe's 1-byte value (first writer wins: never rewritten)
@@ -71,16 +70,6 @@ PROBE_KEY = "shmcache@probe"  # the recovery probe's 1-byte value (first writer 
 def remote_key(prefix: str, key: EmbeddingCacheKey) -> str:
     """`<prefix>@v<schema>@<algorithm>@<digest hex>`: the same on every node."""
     return f"{prefix}@v{KEY_SCHEMA_VERSION}@{key.algorithm}@{key.hex}"
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on `host` right now; 0 if `host` is not an address of this machine."""
-    with socket.socket() as s:
-        try:
-            s.bind((host, 0))
-        except OSError:
-            return 0
-        return int(s.getsockname()[1])
 
 
 class RemoteStore:
@@ -98,8 +87,7 @@ class RemoteStore:
             raise InvalidConfig("remote_master is not set")
         self.master = master = config.remote_master
         self._count, self._timeout = count, config.remote_timeout_s
-        self._setup_args = (config.remote_protocol, config.remote_segment_bytes, config.remote_buffer_bytes)
-        self._holder, self._host = config.remote_holder, config.remote_local_host
+        self._holder, self._buffer_bytes = config.remote_holder, config.remote_buffer_bytes
         self._tcp = config.remote_protocol == "tcp"  # config.py
         self._client: Any = None
         self._stuck: list[Future[Any]] = []  # calls that outlived their wait: the client stays open
@@ -110,37 +98,18 @@ class RemoteStore:
         self._calls = ThreadPoolExecutor(max_workers=4, thread_name_prefix="shmcache-remote")
         self.health = Health(master, self._answers, count)
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", config.remote_local_host)  # read once, as Mooncake loads
-        why = self._connect()
+        self._connection = Connection(config, self._ready)
+        why = self._connection.connect(child_first=False)
         if why is not None:
             if config.store_unavailable_mode == "strict":
                 self.close()
                 raise RemoteUnavailable(why + " and store_unavailable_mode is 'strict'")
             self.health.down(why)
 
-    def _connect(self) -> str | None:
-        """Set the Mooncake client up; why it failed, or None."""
-        try:
-            from mooncake.store import MooncakeDistributedStore
-        except ImportError as exc:
-            return f"the mooncake package is not importable ({exc})"
-        port = free_port(self._host) if self._holder is None else 0  # a thin client has no segment
-        if self._holder is None and not port:
-            return f"remote_local_host {self._host} is not an address of this machine"
-        client = MooncakeDistributedStore()
-        protocol, segment_bytes, buffer_bytes = self._setup_args
-        if self._holder is not None:  # a thin client of the node's mooncake_client
-            rc = client.setup_dummy(buffer_bytes, _PROBE_BUFFER, self._holder)
-            target = f"the node's Mooncake client {self._holder}"
-        else:
-            host = f"{self._host}:{port}"
-            rc = client.setup(host, "P2PHANDSHAKE", segment_bytes, buffer_bytes, protocol, "", self.master)
-            target = f"Mooncake master {self.master}"
-        if rc != 0 or (self._holder is None and client.health_check() != 0):  # a thin client has none
-            client.close()
-            return f"{target} is unreachable (setup rc {rc})"
-        self.staging = Staging(client, pooled=self._holder is not None, pool_bytes=buffer_bytes)
+    def _ready(self, client: Any) -> None:
+        """The client is set up (`Connection`): calls may use it."""
+        self.staging = Staging(client, pooled=self._holder is not None, pool_bytes=self._buffer_bytes)
         self._client = client
-        return None
 
     def _answers(self) -> bool:
         """The prober's question: can values be stored again? The client is set up if it never
@@ -149,8 +118,8 @@ class RemoteStore:
         no transfer buffer (`remote_buffer_bytes=0`) a put of bytes cannot work: the master's
         answer to a lookup is the probe then."""
         if self._client is None:
-            return self._connect() is None
-        if self._setup_args[2] == 0:
+            return self._connection.connect(child_first=True) is None
+        if self._buffer_bytes == 0:
             rc = self._call("get_size", PROBE_KEY)
             return isinstance(rc, int) and (rc >= 0 or rc == OBJECT_NOT_FOUND)
         return bool(self._call("put", PROBE_KEY, b"\0") == 0)
@@ -371,6 +340,7 @@ class RemoteStore:
         """Stop probing, finish queued publishes, wait up to `drain_s` for calls that outlived
         their wait, then disconnect: True if the client was closed (no transfer runs any more)."""
         self.health.close()
+        self._connection.close()
         self._executor.shutdown(wait=True)
         self._calls.shutdown(wait=False, cancel_futures=True)
         stuck = [future for future in self._stuck if not future.done()]

@@ -17,7 +17,7 @@ import time
 import urllib.request
 
 from shmcache.errors import InvalidConfig
-from shmcache.remote.store import free_port
+from shmcache.remote.connection import free_port
 
 __all__ = ["MooncakeHolder", "MooncakeMaster"]
 
@@ -118,12 +118,14 @@ class MooncakeMaster:
 
 class MooncakeHolder:
     """A real node store holder (`mooncake_client`, as `shmcache remote-holder` runs it) on a free
-    127.0.0.1 port, mounting `segment` of the store of `master`."""
+    127.0.0.1 port (or `port`), mounting `segment` of the store of `master`."""
 
-    def __init__(self, master: MooncakeMaster, segment: str = "128 MB", timeout: float = 20.0) -> None:
+    def __init__(
+        self, master: MooncakeMaster, segment: str = "128 MB", timeout: float = 20.0, port: int = 0
+    ) -> None:
         from shmcache.remote.holder import holder_command
 
-        self.port = free_port()
+        self.port = port or free_port()
         self.address = f"127.0.0.1:{self.port}"
         env = {**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
         command = holder_command(master.address, port=self.port, segment=segment)

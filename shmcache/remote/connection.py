@@ -1,0 +1,151 @@
+"""Setting one process's Mooncake client up without stalling the process.
+
+Mooncake's `setup` (a thin client's `setup_dummy`) holds the GIL while it runs: ~1 s against a
+master that answers, ~4.3 s against a closed port (it retries), up to 30 s against one that
+accepts connections but does not answer (a stopped process). Every thread of the process stands
+still meanwhile (measured: with the master down at open, the outage prober's retries froze the
+process for 22 s of 30). So a set-up is tried only after cheaper answers:
+
+- a TCP connect to the address the set-up talks to (the master, or the node's holder), bounded by
+  `remote_timeout_s` and without the GIL: a closed port or a silent host answers in milliseconds;
+- the outage prober (`health.py`) then runs the very same set-up in a child process, killed after
+  `CHILD_SETUP_S`, and sets this process's client up only once the child's set-up succeeded (a
+  master that stops answering in between still costs one stall);
+- the open skips the child (it would add a set-up's ~1 s to every open): a master that accepts
+  connections but does not answer costs the open up to 30 s, the one wait that `remote_timeout_s`
+  does not bound.
+
+A set-up that finishes after `close` (the prober's, while the store closes) closes the client it
+made instead of handing it over.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any, Final
+
+from shmcache.config import CacheConfig
+
+__all__ = ["Connection", "free_port"]
+
+PROBE_BUFFER: Final = 1 << 20  # a thin client's local buffer: the recovery probe's 1-byte put
+CHILD_SETUP_S: Final = 60.0  # the child's set-up is killed after this (Mooncake's own wait is 30 s)
+
+# The child: the same set-up as `_set_up`'s, with no segment and no buffer of its own; exit 0 if
+# it succeeded. argv: "master" host:port segment_bytes buffer_bytes protocol master, or
+# "holder" buffer_bytes probe_buffer holder.
+_CHILD: Final = """
+import sys
+from mooncake.store import MooncakeDistributedStore
+client, args = MooncakeDistributedStore(), sys.argv[1:]
+if args[0] == "holder":
+    ok = client.setup_dummy(int(args[1]), int(args[2]), args[3]) == 0
+else:
+    ok = client.setup(args[1], "P2PHANDSHAKE", 0, 0, args[2], "", args[3]) == 0 and client.health_check() == 0
+client.close()
+sys.exit(0 if ok else 1)
+"""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` right now; 0 if `host` is not an address of this machine."""
+    with socket.socket() as s:
+        try:
+            s.bind((host, 0))
+        except OSError:
+            return 0
+        return int(s.getsockname()[1])
+
+
+class Connection:
+    """The set-up of one process's Mooncake client; `ready(client)` receives it once set up."""
+
+    def __init__(self, config: CacheConfig, ready: Callable[[Any], None]) -> None:
+        self._config, self._ready = config, ready
+        holder = config.remote_holder
+        self._target = (
+            f"the node's Mooncake client {holder}" if holder else f"Mooncake master {config.remote_master}"
+        )
+        self._address = holder or config.remote_master or ""
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def connect(self, *, child_first: bool) -> str | None:
+        """Set the client up: None once `ready` was called, else why not. With `child_first`
+        (the prober), only after the same set-up succeeded in a child process."""
+        why = self._refused()
+        if why is None and child_first:
+            why = self._child_fails()
+        return why if why is not None else self._set_up()
+
+    def close(self) -> None:
+        """No client is handed over from now on: a set-up finishing later closes its own."""
+        with self._lock:
+            self._closed = True
+
+    def _refused(self) -> str | None:
+        """Why a TCP connection to the set-up's address fails within `remote_timeout_s`, or None."""
+        host, _, port = self._address.rpartition(":")
+        try:
+            socket.create_connection((host, int(port)), timeout=self._config.remote_timeout_s).close()
+        except (OSError, ValueError) as exc:
+            return f"{self._target} does not accept connections ({exc})"
+        return None
+
+    def _child_fails(self) -> str | None:
+        """Why the same set-up failed in a child process, or None if it succeeded."""
+        config = self._config
+        if config.remote_holder is not None:
+            args = ["holder", str(config.remote_buffer_bytes), str(PROBE_BUFFER), config.remote_holder]
+        else:
+            port = free_port(config.remote_local_host)
+            args = ["master", f"{config.remote_local_host}:{port}", config.remote_protocol, self._address]
+        try:
+            done = subprocess.run(
+                [sys.executable, "-c", _CHILD, *args],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                timeout=CHILD_SETUP_S,
+                check=False,
+            )
+        except subprocess.TimeoutExpired:
+            return f"{self._target} did not answer a set-up in {CHILD_SETUP_S} s"
+        except OSError as exc:
+            return f"a set-up in a child process could not run ({exc})"
+        return None if done.returncode == 0 else f"{self._target} refused a set-up"
+
+    def _set_up(self) -> str | None:
+        try:
+            from mooncake.store import MooncakeDistributedStore
+        except ImportError as exc:
+            return f"the mooncake package is not importable ({exc})"
+        config, holder = self._config, self._config.remote_holder
+        port = free_port(config.remote_local_host) if holder is None else 0  # a thin client has no segment
+        if holder is None and not port:
+            return f"remote_local_host {config.remote_local_host} is not an address of this machine"
+        client = MooncakeDistributedStore()
+        if holder is not None:  # a thin client of the node's mooncake_client
+            rc = client.setup_dummy(config.remote_buffer_bytes, PROBE_BUFFER, holder)
+        else:
+            rc = client.setup(
+                f"{config.remote_local_host}:{port}",
+                "P2PHANDSHAKE",
+                config.remote_segment_bytes,
+                config.remote_buffer_bytes,
+                config.remote_protocol,
+                "",
+                config.remote_master,
+            )
+        if rc != 0 or (holder is None and client.health_check() != 0):  # a thin client has none
+            client.close()
+            return f"{self._target} is unreachable (setup rc {rc})"
+        with self._lock:
+            if self._closed:
+                client.close()
+                return "the remote layer closed during the set-up"
+            self._ready(client)
+        return None
