@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -19,7 +20,7 @@ from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from shmcache import CacheConfig, EmbeddingCache
 from shmcache.integrations.vllm import ShmCacheECConnector
 from shmcache.integrations.vllm.scheduler import SchedulerSide
-from shmcache.integrations.vllm.settings import KeyMaker
+from shmcache.integrations.vllm.settings import KeyMaker, preprocessing_of
 from shmcache.remote.lease import LEASE_SUFFIX
 from shmcache.remote.store import remote_key
 from shmcache.testing import MooncakeMaster, sample_preprocessing
@@ -172,3 +173,31 @@ def test_an_engine_that_does_not_store_takes_no_cross_node_lease_and_waits_for_o
         assert not side.ensure(_request("r2", "busy"), 0)  # this engine waits for its value
         busy.abandon()
         side.close()
+
+
+@pytest.mark.parametrize(
+    ("setting", "value"),
+    [
+        ("mm_processor_kwargs", {"do_normalize": False}),
+        ("media_io_kwargs", {"video": {"num_frames": 8}}),
+        ("video_pruning_rate", 0.5),
+        ("quantization", "fp8"),
+    ],
+)
+def test_engine_settings_that_change_encoder_outputs_change_every_key(
+    model_config: ModelConfig, setting: str, value: object
+) -> None:
+    """vLLM's mm_hash covers a request's own processor kwargs, not the engine's (merged in after
+    hashing): two engines on a node with different `--mm-processor-kwargs` shared keys, and each
+    loaded the other's outputs."""
+    engine = SimpleNamespace(model_config=model_config)  # VllmConfig would check fp8 against the dtype
+    before = preprocessing_of(engine, "")
+    owner = model_config if setting == "quantization" else model_config.multimodal_config
+    saved = getattr(owner, setting)
+    object.__setattr__(owner, setting, value)
+    try:
+        after = preprocessing_of(engine, "")
+    finally:
+        object.__setattr__(owner, setting, saved)
+    assert after != before
+    assert preprocessing_of(engine, "") == before  # deterministic

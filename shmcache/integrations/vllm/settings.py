@@ -44,25 +44,43 @@ class ConnectorSettings:
         return cls(CacheConfig.from_stage_config(cache_fields), salt)
 
 
+# The engine's settings that change encoder outputs and that vLLM's `mm_hash` does not cover: it
+# hashes a request's own processor and media kwargs, and the engine's are merged in after hashing
+# (two engines with different `--mm-processor-kwargs` gave the same mm_hash for other outputs).
+_ENGINE_MM_SETTINGS: Final = (
+    "mm_processor_kwargs",
+    "media_io_kwargs",
+    "mm_device_do_normalize",
+    "mm_encoder_attn_dtype",
+    "video_pruning_rate",
+    "video_pruning_method",
+)
+
+
+def _digest(settings: Any) -> str:
+    return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()
+
+
 def preprocessing_of(vllm_config: Any, key_salt: str) -> EncoderPreprocessingConfig:
     """What vLLM's `mm_hash` does not cover, as the preprocessing config of every key: the model
     and its revision, a digest of its whole Hugging Face config (encoder settings included), the
-    dtype, the vLLM and transformers versions, and the deployment's salt. The media and the
-    processor kwargs are in the `mm_hash` itself."""
+    engine's multimodal settings and quantization, the dtype, the vLLM and transformers versions,
+    and the deployment's salt. The media and a request's own kwargs are in the `mm_hash`."""
     import transformers
     import vllm
 
     model = vllm_config.model_config
     hf_config = model.hf_config
-    config_dict = hf_config.to_dict() if hasattr(hf_config, "to_dict") else {}
-    config_hash = hashlib.sha256(json.dumps(config_dict, sort_keys=True, default=str).encode()).hexdigest()
+    multimodal = getattr(model, "multimodal_config", None)
+    engine = {name: getattr(multimodal, name, None) for name in _ENGINE_MM_SETTINGS}
+    engine["quantization"] = getattr(model, "quantization", None)
     return EncoderPreprocessingConfig(
         cache_schema_version=1,
         model_id=str(model.model),
         model_revision=str(model.revision or ""),
-        encoder_config_hash=config_hash,
+        encoder_config_hash=_digest(hf_config.to_dict() if hasattr(hf_config, "to_dict") else {}),
         processor_version=f"vllm {vllm.__version__}; transformers {transformers.__version__}; {key_salt}",
-        processor_config_hash="",  # the processor and its kwargs are in the mm_hash itself
+        processor_config_hash=_digest(engine),
         resize_mode="",
         image_size=(),
         crop_mode="",
