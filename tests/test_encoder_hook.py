@@ -20,7 +20,7 @@ from shmcache import (
     EmbeddingCache,
     InvalidKey,
 )
-from shmcache.integrations.encoder import CachedEncoder
+from shmcache.integrations.encoder import CachedEncoder, PackedItems
 from tests.encoders import batch, build
 from tests.helpers import spawn
 
@@ -172,6 +172,38 @@ def test_calls_without_the_layout_are_typed_errors(config: CacheConfig) -> None:
             }
             with pytest.raises(error, match=message):
                 CachedEncoder(cache, hook.encoder, **arguments)
+
+
+def test_a_packed_table_given_as_a_list_or_positionally_is_the_same_call(config: CacheConfig) -> None:
+    """vLLM's Qwen-VL towers are called `visual(x, grid_thw=list_of_rows)` and `visual(x,
+    grid_thw)`: the same items, the same keys, and the encoder gets its table back in the form
+    and place it was given (before: `ArgumentTypeError` for both)."""
+    with EmbeddingCache(config) as cache:
+        encoder = build("qwen2-vl")
+        given: list[Any] = []
+
+        def tower(pixels: torch.Tensor, grid_thw: Any) -> torch.Tensor:
+            given.append(grid_thw)
+            return encoder(pixels, grid_thw=torch.as_tensor(grid_thw))
+
+        hook = CachedEncoder(
+            cache, tower, items=encoder.items, preprocessing=encoder.preprocessing(), modality="image"
+        )
+        (pixels,), kwargs = batch("qwen2-vl", [1, 2])
+        grid = kwargs["grid_thw"]
+        want = encoder(pixels, grid_thw=grid)
+        encoder.encoded.clear()
+        assert torch.equal(hook(pixels, grid_thw=grid.tolist()), want)
+        assert given == [grid.tolist()] and encoder.encoded == [2]
+        assert torch.equal(hook(pixels, grid), want) and encoder.encoded == [2]  # positional: hits
+        (more,), more_kwargs = batch("qwen2-vl", [1, 3])  # item 1 cached, item 3 new
+        got = hook(more, tuple(more_kwargs["grid_thw"].tolist()))
+        assert torch.equal(got, encoder(more, grid_thw=more_kwargs["grid_thw"]))
+        assert given[-1] == (more_kwargs["grid_thw"].tolist()[1],)  # a tuple of the new item's row
+        with pytest.raises(ArgumentTypeError, match="integer rows"):
+            hook(pixels, grid_thw=[["a", 4, 4], [1, 4, 8]])
+        with pytest.raises(ArgumentTypeError, match="position"):
+            PackedItems("grid_thw", output_rows=lambda g: 1, position=0)
 
 
 def test_install_routes_a_modules_own_calls_and_uninstall_undoes_it(config: CacheConfig) -> None:

@@ -4,7 +4,7 @@ how to call the encoder on some of the items, and how to cut and join the output
 - `BatchedItems`: item i is row i of the first argument (CLIP/SigLIP pixel batches, Whisper
   feature batches); the output has one row per item.
 - `PackedItems`: the items are packed one after another along a dimension of the first argument,
-  each described by one row of a keyword tensor (Qwen-VL's `grid_thw`: an image of t x h x w
+  each described by one row of a table argument (Qwen-VL's `grid_thw`: an image of t x h x w
   patches is t*h*w rows of `pixel_values` and gives `output_rows(t, h, w)` rows of embeddings).
   An item's key is its rows shaped by its row of that tensor, so the same rows under another
   grid are another key.
@@ -99,26 +99,53 @@ class BatchedItems:
         return torch.stack(list(outputs))
 
 
+def _row(row: Any) -> tuple[int, ...]:
+    values = row.tolist() if hasattr(row, "tolist") else row
+    return tuple(int(v) for v in values) if isinstance(values, list | tuple) else (int(values),)
+
+
 @dataclass(frozen=True)
 class PackedItems:
-    """Items packed along `dim` of `args[0]`; row i of the keyword tensor `meta` describes item i,
+    """Items packed along `dim` of `args[0]`; row i of the per-item table `meta` describes item i,
     whose input is the product of that row's values long and whose output is `output_rows(row)`
-    rows of the output tensor (packed along its dimension 0)."""
+    rows of the output tensor (packed along its dimension 0). The table is a tensor, an array or
+    a list of rows, passed as the keyword `meta` or as positional argument `position` (vLLM's
+    Qwen-VL towers are called `visual(x, grid_thw=rows_as_a_list)` and `visual(x, grid_thw)`)."""
 
     meta: str
     output_rows: Callable[[tuple[int, ...]], int]
     dim: int = 0
+    position: int | None = 1
 
-    def _rows(self, kwargs: dict[str, Any]) -> list[tuple[int, ...]]:
-        table = kwargs.get(self.meta)
-        if table is None or not hasattr(table, "tolist"):
-            raise ArgumentTypeError(f"the call must pass its per-item table as {self.meta}=")
-        rows = table.tolist()
-        return [tuple(int(v) for v in (row if isinstance(row, list) else [row])) for row in rows]
+    def __post_init__(self) -> None:
+        if self.position is not None and (type(self.position) is not int or self.position < 1):
+            raise ArgumentTypeError(
+                f"position must be None or an int >= 1 (0 is the input), got {self.position!r}"
+            )
+
+    def _table(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, str | int]:
+        """The per-item table and where the call passed it (its keyword, or its position)."""
+        if self.meta in kwargs:
+            return kwargs[self.meta], self.meta
+        if self.position is not None and len(args) > self.position:
+            return args[self.position], self.position
+        raise ArgumentTypeError(
+            f"the call must pass its per-item table as {self.meta}= (or argument {self.position})"
+        )
+
+    def _rows(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[int, ...]]:
+        table, _ = self._table(args, kwargs)
+        rows = table.tolist() if hasattr(table, "tolist") else table
+        try:
+            if not isinstance(rows, list | tuple):
+                raise TypeError(type(table).__name__)
+            return [_row(row) for row in rows]
+        except (TypeError, ValueError) as exc:
+            raise ArgumentTypeError(f"{self.meta} must be a table of integer rows ({exc})") from None
 
     def split(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ItemCall:
         packed = _first_tensor(args)
-        rows = self._rows(kwargs)
+        rows = self._rows(args, kwargs)
         lengths = [math.prod(row) for row in rows]
         if sum(lengths) != packed.shape[self.dim]:
             raise ArgumentTypeError(
@@ -132,19 +159,25 @@ class PackedItems:
         return ItemCall(args, kwargs, keys)
 
     def subset(self, call: ItemCall, items: Sequence[int]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The call over `items`, its table in the form and place the call gave it."""
         import torch
 
         packed = call.args[0]
-        lengths = [math.prod(row) for row in self._rows(call.kwargs)]
+        lengths = [math.prod(row) for row in self._rows(call.args, call.kwargs)]
         parts = packed.split(lengths, dim=self.dim)
         chosen = torch.cat([parts[i] for i in items], dim=self.dim)
-        kwargs = dict(call.kwargs)
-        kwargs[self.meta] = kwargs[self.meta][list(items)]
-        return (chosen, *call.args[1:]), kwargs
+        table, place = self._table(call.args, call.kwargs)
+        rows = table[list(items)] if hasattr(table, "tolist") else type(table)(table[i] for i in items)
+        args, kwargs = (chosen, *call.args[1:]), dict(call.kwargs)
+        if isinstance(place, str):
+            kwargs[place] = rows
+        else:
+            args = (*args[:place], rows, *args[place + 1 :])
+        return args, kwargs
 
     def cut(self, output: Any, call: ItemCall, items: Sequence[int]) -> list[Any]:
         tensor = _output_tensor(output)
-        rows = self._rows(call.kwargs)
+        rows = self._rows(call.args, call.kwargs)
         sizes = [self.output_rows(rows[i]) for i in items]
         if tensor.dim() == 0 or tensor.shape[0] != sum(sizes):
             raise UnsupportedValue(f"the encoder gave {tuple(tensor.shape)} for item outputs of {sizes} rows")
