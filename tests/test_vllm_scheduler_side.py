@@ -59,6 +59,30 @@ def test_a_request_with_the_same_image_twice_reserves_it_once_and_is_not_deferre
         assert cache.stats()["reserved"] == 0
 
 
+def test_a_reservation_vllm_does_not_allocate_in_its_step_is_given_back(config: CacheConfig) -> None:
+    """vLLM found the item in its own encoder cache (or did not schedule the request): no
+    `after_alloc` follows `ensure`. Before the fix the reservation was kept until the request
+    finished, every other engine of the node deferred on that key, and it was never stored."""
+    keys = KeyMaker(sample_preprocessing(), config)
+    with EmbeddingCache(config) as cache, EmbeddingCache(config) as other:
+        side = SchedulerSide(cache, keys)
+        request = _request("r1", "x")
+        assert side.ensure(request, 0) and cache.stats()["reserved"] == 1
+        side.build()  # the step ends without `after_alloc`
+        assert cache.stats()["reserved"] == 0
+        theirs = other.try_reserve(keys("x", "image"))  # another engine is not made to wait
+        assert theirs is not None and theirs.owned
+        theirs.withdraw()
+        assert side.ensure(request, 0)  # the next step reserves it again, and allocates it
+        side.after_alloc(request, 0)
+        step = side.build()
+        assert [(item.identifier, item.ticket is not None) for item in step.saves] == [("x", True)]
+        assert cache.stats()["reserved"] == 1  # handed over to the worker, not given back
+        side.finished(request)
+        assert cache.stats()["reserved"] == 0
+        side.close()
+
+
 def test_a_request_waiting_for_another_process_holds_nothing(config: CacheConfig) -> None:
     with EmbeddingCache(config) as cache, EmbeddingCache(config) as other:
         side = SchedulerSide(cache, KeyMaker(sample_preprocessing(), config))

@@ -5,7 +5,9 @@ Per step, for each request vLLM wants to schedule (`ensure_cache_available`):
 - an item sealed on the node is loaded (vLLM asks `has_cache_item`; the scheduler pins the entry
   from that question until the request finishes, so it cannot vanish before the worker loads it);
 - an item no process computes is reserved here, handed to the worker with the step's metadata
-  (the worker adopts it and commits its encoder output), and let go once adopted;
+  (the worker adopts it and commits its encoder output), and let go once adopted; one vLLM does
+  not allocate in that step (it had the item in its own encoder cache, or did not schedule the
+  request) is given back when the step's metadata is built;
 - an item another process is computing defers the request (False) until it is sealed; a request
   that is deferred gives back the reservations it took, so two engines never wait on each other.
 An engine that does not store (`ec_consumer`) reserves nothing and takes no cross-node lease: it
@@ -122,7 +124,11 @@ class SchedulerSide:
             self._step.saves.append(SaveItem(identifier, key, None))
 
     def build(self) -> ShmCacheECMetadata:
-        """This step's metadata; lets go of reservations the worker adopted."""
+        """This step's metadata; lets go of reservations the worker adopted, and gives back the
+        ones vLLM did not allocate in this step (an item it found in its own encoder cache, a
+        request it did not schedule): the next `ensure` reserves them again. Kept, they held their
+        keys for every engine of the node until the request finished, and were never stored."""
+        self._give_back(list(self._reserved))
         step, self._step = self._step, _Step()
         self._cache.cleanup_request(self._step_holder)
         self._steps += 1
