@@ -95,17 +95,6 @@ def test_owner_killed_mid_compute_is_shown_dead_and_gc_reaps_it(
         assert cache.stats()["reaped_clients"] == 1
 
 
-def test_destroy_refuses_while_attached(
-    shmcache_config: CacheConfig, capsys: pytest.CaptureFixture[str]
-) -> None:
-    cache = EmbeddingCache(shmcache_config)
-    code, _, err = run_inspect(capsys, "destroy", shmcache_config.namespace)
-    assert code == 1 and "refusing" in err
-    code, out, _ = run_inspect(capsys, "destroy", shmcache_config.namespace, "--force")
-    assert code == 0 and "destroyed" in out
-    cache.close()
-
-
 def test_read_only_commands_do_not_change_the_cache(
     shmcache_config: CacheConfig, capsys: pytest.CaptureFixture[str]
 ) -> None:

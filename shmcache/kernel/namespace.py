@@ -365,12 +365,19 @@ def _plausible(header: Header) -> bool:
     return 1 <= header.stripes <= 1 << 16 and 1 <= header.ways <= 64 and 1 <= header.clients <= 4096
 
 
-def destroy_namespace(namespace: str, *, timeout: float = 10.0) -> None:
-    """Remove every object of `namespace`, attached processes or not (they get `CacheClosed`).
-    Only objects owned by this user are removed (`ForeignObject` otherwise, and nothing is)."""
+def destroy_namespace(namespace: str, *, timeout: float = 10.0, unless_attached: bool = False) -> bool:
+    """Remove every object of `namespace`, attached processes or not (they get `CacheClosed`);
+    with `unless_attached`, only if no process is attached, judged under the bootstrap lock (one
+    creating or attaching meanwhile counts): False then, nothing removed. Only objects owned by
+    this user are removed (`ForeignObject` otherwise, and nothing is)."""
     names = object_names(namespace)
     with bootstrap_lock(names, 0o600, timeout, widest=ANY_MODE):
-        remove_objects(names)
+        live = open_existing(names, None) if unless_attached else None
+        if live is None:
+            remove_objects(names)
+    if live is not None:
+        live.close()  # its mappings go with it
+    return live is None
 
 
 def remove_objects(names: ObjectNames) -> None:

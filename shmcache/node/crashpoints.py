@@ -2,8 +2,9 @@
 
 Every row names a hook in the code (`reached(point)` here, `reached(POINT_...)` in native.c for the
 points the native transactions pass: in-stripe-section, slot-record-torn, holding-pins), so a test
-can SIGKILL a real process at exactly that point (`arm(point)` in that process, which arms both)
-and the table and the tests cannot drift apart:
+can SIGKILL a real process at exactly that point (`arm(point)` in that process, which arms both;
+`arm(point, stop=True)` makes it SIGSTOP itself at a Python point instead, for a test to look at
+what it holds there) and the table and the tests cannot drift apart:
 tests/test_crash_points.py runs one crash test per row. A process that is not armed pays one
 comparison per hook.
 """
@@ -20,7 +21,7 @@ from typing import Final
 from shmcache.node import _native
 from shmcache.node.layout import Counter
 
-__all__ = ["CRASH_POINTS", "CrashPoint", "CrashRow", "Survivor", "arm", "reached"]
+__all__ = ["CRASH_POINTS", "NATIVE_POINTS", "CrashPoint", "CrashRow", "Survivor", "arm", "reached"]
 
 
 class CrashPoint(enum.Enum):
@@ -133,20 +134,31 @@ CRASH_POINTS: tuple[CrashRow, ...] = (
     ),
 )
 
+NATIVE_POINTS: Final = frozenset(
+    {CrashPoint.IN_STRIPE_SECTION, CrashPoint.SLOT_RECORD_TORN, CrashPoint.HOLDING_PINS}
+)  # reached inside native.c's transactions
 _armed: CrashPoint | None = None
+_stops = False
 
 
-def arm(point: CrashPoint | None) -> None:
-    """Make this process SIGKILL itself when it next reaches `point` (None disarms)."""
-    global _armed
-    _armed = point
-    _native.arm(None if point is None else point.value)  # the points native.c reaches
+def arm(point: CrashPoint | None, *, stop: bool = False) -> None:
+    """Make this process SIGKILL itself when it next reaches `point` (None disarms). With `stop`
+    (a point reached in Python only), SIGSTOP itself there instead, once: a test looks at what
+    it holds at that point (the bootstrap lock, say), then continues it with SIGCONT."""
+    global _armed, _stops
+    if stop and point in NATIVE_POINTS:
+        raise ValueError(f"{point} is reached in native code, which can only be killed there")
+    _armed, _stops = point, stop
+    _native.arm(None if point is None or stop else point.value)  # the points native.c reaches
 
 
 def reached(point: CrashPoint, tear: Callable[[], None] | None = None) -> None:
     """A crash hook: if this process is armed for `point`, run `tear` (the half-done write the
-    point stands for), then SIGKILL this process."""
+    point stands for), then SIGKILL this process (armed to stop: SIGSTOP it, and disarm)."""
+    global _armed
     if _armed is point:
         if tear is not None:
             tear()
-        os.kill(os.getpid(), signal.SIGKILL)
+        if _stops:
+            _armed = None
+        os.kill(os.getpid(), signal.SIGSTOP if _stops else signal.SIGKILL)

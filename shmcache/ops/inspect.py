@@ -220,7 +220,12 @@ def _destroy(namespace: str, force: bool) -> int:
     if not any(os.path.lexists(path) for path in paths):
         print(f"shmcache-inspect: namespace {namespace!r} does not exist", file=sys.stderr)
         return 1  # a typo is not a success (without --force the snapshot says so too)
-    destroy_namespace(namespace)
+    if not destroy_namespace(namespace, unless_attached=not force):  # one attached since the snapshot
+        print(
+            f"shmcache-inspect: refusing to destroy {namespace!r}: a process attached (use --force)",
+            file=sys.stderr,
+        )
+        return 1
     print(f"destroyed {namespace}")
     return 0
 

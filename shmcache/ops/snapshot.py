@@ -284,6 +284,11 @@ def take_snapshot(
     if buf is None:
         raise NamespaceUnavailable(f"namespace {namespace!r} of uid {uid} does not exist")
     node = _Index.open(namespace, buf, uid)
+    if node.header.ready == 0 and not node.client_alive.any():  # written, its objects not all made
+        raise NamespaceUnavailable(
+            f"namespace {namespace!r} is being created (not ready yet; if no process is creating "
+            "it, `shmcache-inspect gc` removes it)"
+        )
     now = time.monotonic()
     arena = _map_readonly(names.arena_path, uid, "arena segment")
     try:
