@@ -211,3 +211,25 @@ def test_a_local_host_that_is_no_address_of_this_machine_is_an_outage_not_a_cras
     assert worker.exitcode == 0
     expected = "RemoteUnavailable: remote_local_host 192.0.2.1 is not an address of this machine"
     assert out.read_text().startswith(expected if mode == "strict" else "opened, remote 1 outage(s)")
+
+
+def test_a_pull_buffer_that_grows_gives_its_registration_back(shmcache_mooncake: MooncakeMaster) -> None:
+    """Mooncake refuses to register memory overlapping a registered range: a grown pull buffer's
+    old array was dropped still registered, and once its addresses were handed out again the new
+    one could not be registered, so a stored value read as a miss (3 of these 12, before)."""
+    counted: list[Counter] = []
+    config = CacheConfig(remote_master=shmcache_mooncake.address, remote_segment_bytes=128 << 20)
+    store = RemoteStore(config, lambda counter, n: counted.append(counter))
+    try:
+        size = 1 << 20
+        for i in range(12):
+            size = size * 13 // 10
+            data = np.random.default_rng(i).integers(0, 256, size, dtype=np.uint8).tobytes()
+            assert store.put_bytes(f"grown-{i}", data)
+            got = store.fetch(f"grown-{i}", size)
+            assert got is not None and bytes(got) == data, (i, size)
+            del got
+            store.remove(f"grown-{i}")
+        assert counted == []
+    finally:
+        store.close()

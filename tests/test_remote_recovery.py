@@ -10,6 +10,7 @@ import os
 import signal
 import threading
 import time
+import tracemalloc
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +26,8 @@ from tests import workers
 from tests.helpers import longest_stall, spawn, wait_for
 from tests.test_remote import remote_config
 from tests.workers import expected_value, fingerprint, key_of
+
+SIZE_4MIB = 1 << 21  # bf16 elements: 4 MiB
 
 
 @pytest.fixture
@@ -190,3 +193,32 @@ def test_a_batch_answered_by_a_gone_master_keeps_each_items_code(shmcache_moonca
     finally:
         shmcache_mooncake.restart()  # the client's close then unmounts at once (not after retries)
         store.close()
+
+
+def test_a_node_that_opened_with_the_master_down_still_pulls_in_place(
+    shmcache_namespace: str, other_namespace: str
+) -> None:
+    """Its arena was to be registered at open, when there was no client yet: it never was, and
+    every pull went through the staging buffer and a copy (a 4 MiB allocation each, before)."""
+    master = MooncakeMaster()
+    master.kill()
+    try:
+        node_b = remote_config(other_namespace, master.address)
+        with EmbeddingCache(node_b) as b:
+            master.restart()
+            wait_for(lambda: _available(b), timeout=60, what="B to see the master")
+            with EmbeddingCache(dataclasses.replace(node_b, namespace=shmcache_namespace)) as a:
+                a.put(key_of("late"), expected_value("late", SIZE_4MIB))
+                wait_for(lambda: a.stats()["remote_publishes"] == 1, what="the publish")
+                tracemalloc.start()
+                try:
+                    value = b.get_or_compute(key_of("late"), lambda: expected_value("late", SIZE_4MIB))
+                    _, peak = tracemalloc.get_traced_memory()
+                finally:
+                    tracemalloc.stop()
+                assert b.stats()["hits_remote"] == 1
+                assert fingerprint(value) == fingerprint(expected_value("late", SIZE_4MIB))
+                assert peak < 1 << 20, f"a 4 MiB pull allocated {peak} bytes: it went through a buffer"
+                del value
+    finally:
+        master.kill()

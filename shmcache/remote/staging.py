@@ -98,18 +98,28 @@ class Staging:
             self._pull_room = False
             buffer = self._pool_array(self._half)
         else:
+            if buffer is not None:
+                self._unregister(buffer)  # grown: its memory may be handed out and registered again
+            self._pull = None
             buffer = np.empty(max(size, 1 << 20), dtype=np.uint8)
             if self._client.register_buffer(buffer.ctypes.data, buffer.nbytes) != 0:
                 return None
         self._pull = buffer
         return buffer
 
+    def _unregister(self, buffer: np.ndarray) -> None:
+        """Own segment: `buffer` is dropped; Mooncake refuses to register memory that overlaps a
+        registered range, so a later array at the same addresses could not be registered."""
+        self._client.unregister_buffer(int(buffer.ctypes.data))
+
     def lend(self, buffer: np.ndarray, clean: Callable[[Any], bool]) -> Loan:
         """Set the pull buffer `buffer` aside for one transfer call, before the call starts: it
         is not handed out again until `give_back`, or until the call, once it outlived its wait
         (`Loan.calls`), answers `clean`."""
         if not self.pooled:  # a new array replaces it: those nothing writes into any more can go
-            self._lent = [loan for loan in self._lent if not loan.ended()]
+            for ended in [loan for loan in self._lent if loan.ended()]:
+                self._lent.remove(ended)
+                self._unregister(ended.buffer)
         loan = Loan(buffer, clean)
         self._lent.append(loan)  # first: an interrupt before the next line leaves a loan that
         self._pull = None  # never ends (nothing in flight), never a buffer a transfer shares

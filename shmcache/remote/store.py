@@ -93,6 +93,7 @@ class RemoteStore:
         self._stuck: list[Future[Any]] = []  # calls that outlived their wait: the client stays open
         self.staging: Staging | None = None
         self._warned_full, self._registered = False, set[tuple[int, int]]()
+        self._wanted = set[tuple[int, int]]()  # ranges `register` was asked for
         self._slots = threading.BoundedSemaphore(config.remote_publish_queue)
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="shmcache-publish")
         self._calls = ThreadPoolExecutor(max_workers=4, thread_name_prefix="shmcache-remote")
@@ -107,9 +108,12 @@ class RemoteStore:
             self.health.down(why)
 
     def _ready(self, client: Any) -> None:
-        """The client is set up (`Connection`): calls may use it."""
+        """The client is set up (`Connection`): calls may use it, in node memory registered now
+        if `register` was asked for it before (the master was down at open)."""
         self.staging = Staging(client, pooled=self._holder is not None, pool_bytes=self._buffer_bytes)
         self._client = client
+        for address, nbytes in list(self._wanted):
+            self.register(address, nbytes)
 
     def _answers(self) -> bool:
         """The prober's question: can values be stored again? The client is set up if it never
@@ -172,7 +176,9 @@ class RemoteStore:
             stuck(call)
 
     def register(self, address: int, nbytes: int) -> None:
-        """Register node memory for zero-copy transfers (once per range; a thin client cannot)."""
+        """Register node memory for zero-copy transfers (once per range; a thin client cannot);
+        asked before the client is set up, it is registered when it is."""
+        self._wanted.add((address, nbytes))
         client = self._client
         fresh = client is not None and not self._holder and (address, nbytes) not in self._registered
         if fresh and client.register_buffer(address, nbytes) == 0:
