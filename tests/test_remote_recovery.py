@@ -100,6 +100,23 @@ def test_a_hung_master_costs_one_bounded_wait_then_none(
         wait_for(lambda: _available(cache), timeout=30, what="the master to be seen again")
 
 
+def test_closing_on_a_hung_master_asks_it_once_and_does_not_wait_on_it(
+    shmcache_mooncake: MooncakeMaster, shmcache_namespace: str
+) -> None:
+    """Mooncake's own close unmounts the segment over RPC and waited 60 s on a stopped master;
+    the close first asks the master (bounded by remote_timeout_s) and leaves the client to
+    process exit when it does not answer."""
+    cache = EmbeddingCache(remote_config(shmcache_namespace, shmcache_mooncake.address, remote_timeout_s=0.5))
+    os.kill(shmcache_mooncake.process.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        cache.close()
+        took = time.monotonic() - started
+    finally:
+        os.kill(shmcache_mooncake.process.pid, signal.SIGCONT)
+    assert took < 10, took
+
+
 def test_a_master_down_at_open_is_picked_up_when_it_starts_and_never_stalls_the_process(
     shmcache_namespace: str,
 ) -> None:

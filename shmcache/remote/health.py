@@ -42,11 +42,14 @@ class Health:
         return self._up
 
     def down(self, why: str) -> None:
-        """An outage begins (if none is running): counted, warned once, probed until it ends."""
+        """An outage begins (if none is running): counted, warned once, probed until it ends
+        (once closing, only marked: the store's last steps skip a master that does not answer)."""
         with self._lock:
-            if not self._up or self._stop.is_set():
+            if not self._up:
                 return
             self._up, self._since = False, time.monotonic()
+            if self._stop.is_set():
+                return
             self._prober = threading.Thread(target=self._recover, name="shmcache-remote-probe", daemon=True)
             self._prober.start()
         self._count(Counter.REMOTE_OUTAGES, 1)

@@ -90,7 +90,7 @@ class RemoteStore:
         self._holder, self._buffer_bytes = config.remote_holder, config.remote_buffer_bytes
         self._tcp = config.remote_protocol == "tcp"  # config.py
         self._client: Any = None
-        self._stuck: list[Future[Any]] = []  # calls that outlived their wait: the client stays open
+        self._running: set[Future[Any]] = set()  # calls not done yet: `close` waits for them
         self.staging: Staging | None = None
         self._warned_full, self._registered = False, set[tuple[int, int]]()
         self._wanted = set[tuple[int, int]]()  # ranges `register` was asked for
@@ -146,6 +146,8 @@ class RemoteStore:
             future = self._calls.submit(getattr(client, method), *args)
         except RuntimeError:  # the executor is shut down: closing
             return None
+        self._running.add(future)
+        future.add_done_callback(self._running.discard)
         try:
             result = future.result(self._timeout)
         except FutureTimeout:
@@ -170,8 +172,7 @@ class RemoteStore:
         return result
 
     def _outlived(self, call: Future[Any], stuck: Stuck) -> None:
-        """`call` runs on after we stopped waiting: `close` waits for it, and `stuck` is told."""
-        self._stuck.append(call)
+        """`call` runs on after we stopped waiting: `stuck` is told (`close` waits for it too)."""
         if stuck is not None:
             stuck(call)
 
@@ -343,17 +344,23 @@ class RemoteStore:
             return int(client.put_from(name, int(buffer.ctypes.data), nbytes))
 
     def close(self, drain_s: float = 0.0) -> bool:
-        """Stop probing, finish queued publishes, wait up to `drain_s` for calls that outlived
-        their wait, then disconnect: True if the client was closed (no transfer runs any more)."""
+        """Stop probing, finish queued publishes, wait up to `drain_s` for calls still running (a
+        client closed under a transfer crashes the process), then disconnect if the master answers
+        (Mooncake's close waits 60 s for one that does not): True if the client was closed."""
         self.health.close()
         self._connection.close()
         self._executor.shutdown(wait=True)
+        if self.available:  # Mooncake's close waits 60 s for a master that does not answer: ask first
+            self._call("get_size", PROBE_KEY)
         self._calls.shutdown(wait=False, cancel_futures=True)
-        stuck = [future for future in self._stuck if not future.done()]
-        if stuck:
-            futures_wait(stuck, timeout=drain_s)
-        if any(not future.done() for future in stuck):
+        running = [future for future in list(self._running) if not future.done()]
+        if running:  # closing the client under a running transfer crashes the process (SIGSEGV)
+            futures_wait(running, timeout=drain_s)
+        if any(not future.done() for future in running):
             log.debug("shmcache: a Mooncake call is still running; its client is left to process exit")
+            return False
+        if self._client is not None and not self.health.up:
+            log.debug("shmcache: the Mooncake master does not answer; the client is left to process exit")
             return False
         if self._client is not None:
             self._client.close()
