@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -14,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from shmcache import CacheConfig, EmbeddingCache, destroy_namespace
+from shmcache import CacheConfig, EmbeddingCache, ShmCacheError, destroy_namespace
 from shmcache.remote import lease
 from shmcache.remote.lease import LEASE_SUFFIX
 from shmcache.remote.store import RemoteStore, remote_key
@@ -303,3 +304,38 @@ def test_a_lease_near_its_deadline_is_left_to_expire(shmcache_mooncake: Mooncake
         assert store.get_bytes("far" + LEASE_SUFFIX) is None
     finally:
         store.close()
+
+
+def test_a_lease_held_elsewhere_is_waited_for_at_most_half_our_compute_timeout(
+    shmcache_mooncake: MooncakeMaster, shmcache_namespace: str
+) -> None:
+    """Another node holds the lease with a deadline 60 s off (a hung holder, a clock ahead): our
+    node's owner waited for that deadline while the node's other callers, waiting on its node
+    reservation for compute_timeout_s (4 s) each, got `ComputeTimeout`. Now the owner takes over
+    after 2 s, and every caller of the node gets the value."""
+    config = remote_config(shmcache_namespace, shmcache_mooncake.address, compute_timeout_s=4.0)
+    with EmbeddingCache(config) as cache:
+        bridge = cache._bridge
+        assert bridge is not None
+        name = remote_key(config.remote_key_prefix, key_of("slow")) + LEASE_SUFFIX
+        assert bridge.store.put_bytes(name, f"{'ab' * 8}|another-node|{time.time() + 60:.3f}".encode())
+        got: dict[str, str] = {}
+
+        def caller(role: str) -> None:
+            try:
+                value = cache.get_or_compute(
+                    key_of("slow"), lambda: (time.sleep(1.0), expected_value("slow"))[1]
+                )
+                got[role] = "value" if fingerprint(value) == fingerprint(expected_value("slow")) else "wrong"
+            except ShmCacheError as exc:
+                got[role] = type(exc).__name__
+
+        owner = threading.Thread(target=caller, args=("owner",))
+        owner.start()
+        time.sleep(0.3)
+        waiter = threading.Thread(target=caller, args=("waiter",))
+        waiter.start()
+        owner.join(90)
+        waiter.join(90)
+        assert got == {"owner": "value", "waiter": "value"}, got
+        assert cache.stats()["computes"] == 1

@@ -11,7 +11,11 @@ node reservation of a key and found no copy in the store:
    may have put the lease in a segment that outlives the holder, while the holder's copy of the
    value dies with it: a lease left to expire would then hold every waiter to its deadline).
 2. Another token: it waits, looking for the value every 50 ms (each look is a pull), until that
-   token's deadline; the node's other processes wait on its node reservation meanwhile.
+   token's deadline, and at most `WAIT_SHARE` of its own `compute_timeout_s`: the node's other
+   processes wait on its node reservation meanwhile, each for `compute_timeout_s` from its own
+   arrival, so the takeover's compute must end within theirs (waiting for the other node's
+   deadline, a waiter that came 0.3 s after the owner got `ComputeTimeout`, and a token with a
+   deadline far off, a clock ahead or a foreign writer, held the owner that long).
 3. A deadline passed (the holder died or hangs) or a lease gone (a holder's own segment vanishes
    ~10 s after it dies): it overwrites the lease with its own token (`upsert`) and reads it back;
    its own token: it computes. A holder that dies mid-compute thus costs one takeover, bounded
@@ -56,6 +60,7 @@ from shmcache.remote.store import RemoteStore
 __all__ = ["LEASE_SUFFIX", "Lease", "held_elsewhere", "hold_or_wait", "node_tag", "release", "try_hold"]
 
 LEASE_SUFFIX: Final = "@lease"
+WAIT_SHARE: Final = 0.5  # of compute_timeout_s: the longest a node waits for another node's lease
 POLL_S: Final = 0.05
 READ_S: Final = 2.0
 RELEASE_MARGIN_S: Final = 2.0  # a lease this close to its deadline is left to expire (step 4)
@@ -112,8 +117,9 @@ def hold_or_wait(
     if not store.put_bytes(lease, mine):
         return mine, None  # the store does not answer: compute
     held = _read(store, lease)
+    give_up = time.monotonic() + WAIT_SHARE * timeout_s
     while held is not None and held != mine:
-        while _waits(held, node):
+        while _waits(held, node) and time.monotonic() < give_up:
             gone = store.size_of(lease) is None  # looked up first: a holder removes its lease
             value = pull()  # only after its publish is over, so a value stored is found now
             if value is not None:
