@@ -80,3 +80,20 @@ def test_a_ready_file_that_cannot_be_made_is_a_clear_error(namespace: str, tmp_p
     finally:
         holder.kill()
     assert holder.returncode == 1 and b"No such file or directory" in err and b"Traceback" not in err
+
+
+def test_a_namespace_destroyed_under_the_holder_ends_it_with_rc_1(namespace: str, tmp_path: Path) -> None:
+    """`destroy --force` of a held namespace: the holder went on holding nothing (engines then
+    made the namespace anew without it); now it says so and ends with rc 1."""
+    ready = tmp_path / "ready"
+    holder = _hold({"namespace": namespace, "capacity_bytes": 8 << 20}, ready)
+    try:
+        wait_for(ready.exists, timeout=60, what="the holder")
+        destroy = [sys.executable, "-m", "shmcache", "inspect", "destroy", namespace, "--force"]
+        assert subprocess.run(destroy, capture_output=True, check=False).returncode == 0
+        _, err = holder.communicate(timeout=30)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert holder.returncode == 1 and b"destroyed" in err, (holder.returncode, err)
+    assert not namespace_objects(namespace)

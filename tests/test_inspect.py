@@ -375,3 +375,14 @@ def test_an_index_not_written_yet_is_being_created_and_watch_keeps_watching(
     finally:
         os.close(fd)
         os.unlink(path)
+
+
+@pytest.mark.parametrize("command", [["list"], ["list", "--json"], ["show", "NS"]])
+def test_a_closed_stdout_is_no_crash(shmcache_config: CacheConfig, command: list[str]) -> None:
+    """`shmcache-inspect list >&-`: Python's stdout is None then; it raised AttributeError."""
+    with EmbeddingCache(shmcache_config):
+        args = " ".join(shmcache_config.namespace if word == "NS" else word for word in command)
+        done = subprocess.run(
+            f"{sys.executable} -m shmcache inspect {args} >&-", shell=True, capture_output=True, check=False
+        )
+    assert done.returncode == 0 and done.stderr == b"", done.stderr

@@ -10,7 +10,9 @@ kills, scale-downs) runs this as a small service, so their cache survives them::
 fields; `key_salt`, which only goes into keys, is read and not used); the layout settings must
 match the engines' or attaching fails with `LayoutMismatch`. It runs until SIGTERM or SIGINT, then
 detaches (removing the namespace if no engine has it open). `--ready FILE` is created once the
-namespace is open (for scripts).
+namespace is open (for scripts). It looks at its namespace every second: one destroyed under it
+(`shmcache-inspect destroy --force`) ends it with rc 1 and says so (it went on holding nothing
+before, while engines made the namespace anew without it); a service manager restarts it or not.
 """
 
 from __future__ import annotations
@@ -21,12 +23,15 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import Final
 
 from shmcache.errors import ShmCacheError
 from shmcache.integrations.vllm.settings import ConnectorSettings
 from shmcache.process.cache import EmbeddingCache
 
 __all__ = ["main"]
+
+CHECK_S: Final = 1.0  # how often the namespace held is looked at
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,11 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     try:
-        with EmbeddingCache(config):
+        with EmbeddingCache(config) as cache:
             if args.ready:
                 Path(args.ready).touch()
             print(f"shmcache hold: holding namespace {config.namespace!r}", flush=True)
-            stop.wait()
+            while not stop.wait(CHECK_S):
+                cache.stats()  # CacheClosed once the namespace was destroyed under it
     except (ShmCacheError, OSError) as exc:  # OSError: --ready in a folder that does not exist
         print(f"shmcache hold: {exc}", file=sys.stderr)
         return 1

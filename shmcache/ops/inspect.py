@@ -235,7 +235,8 @@ def _until_reader_goes(command: Callable[[], int]) -> int:
     (`| head`) end it with 0, without a traceback."""
     try:
         code = command()
-        sys.stdout.flush()
+        if sys.stdout is not None:  # None: started with its stdout closed (`>&-`): print wrote nothing
+            sys.stdout.flush()
         return code
     except KeyboardInterrupt:
         return 0
