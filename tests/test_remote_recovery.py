@@ -4,6 +4,7 @@ hung (SIGSTOP), never fails a call in degrade mode, never makes one wait longer 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -115,6 +116,35 @@ def test_closing_on_a_hung_master_asks_it_once_and_does_not_wait_on_it(
     finally:
         os.kill(shmcache_mooncake.process.pid, signal.SIGCONT)
     assert took < 10, took
+
+
+def _set_up_children() -> list[int]:
+    """This process's children running the prober's child set-up (`remote/connection.py`)."""
+    pids = []
+    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            with contextlib.suppress(FileNotFoundError):
+                if b"MooncakeDistributedStore" in Path(f"/proc/{child}/cmdline").read_bytes():
+                    pids.append(int(child))
+    return pids
+
+
+def test_the_probers_child_set_up_goes_with_the_close(shmcache_namespace: str) -> None:
+    """Down at open, then back but hung: the prober's set-up in a child process waits on it
+    (Mooncake: 30 s). The close ends that child; before, it outlived the close by up to 30 s."""
+    master = MooncakeMaster()
+    master.kill()
+    try:
+        cache = EmbeddingCache(remote_config(shmcache_namespace, master.address))
+        master.restart()
+        os.kill(master.process.pid, signal.SIGSTOP)
+        wait_for(lambda: bool(_set_up_children()), timeout=30, what="the prober's child set-up")
+        started = time.monotonic()
+        cache.close()
+        assert _set_up_children() == [] and time.monotonic() - started < 3
+    finally:
+        os.kill(master.process.pid, signal.SIGCONT)
+        master.kill()
 
 
 def test_a_master_down_at_open_is_picked_up_when_it_starts_and_never_stalls_the_process(

@@ -9,8 +9,8 @@ process for 22 s of 30). So a set-up is tried only after cheaper answers:
 - a TCP connect to the address the set-up talks to (the master, or the node's holder), bounded by
   `remote_timeout_s` and without the GIL: a closed port or a silent host answers in milliseconds;
 - the outage prober (`health.py`) then runs the very same set-up in a child process, killed after
-  `CHILD_SETUP_S`, and sets this process's client up only once the child's set-up succeeded (a
-  master that stops answering in between still costs one stall);
+  `CHILD_SETUP_S` or when the store closes, and sets this process's client up only once the
+  child's set-up succeeded (a master that stops answering in between still costs one stall);
 - the open skips the child (it would add a set-up's ~1 s to every open): a master that accepts
   connections but does not answer costs the open up to 30 s, the one wait that `remote_timeout_s`
   does not bound.
@@ -25,6 +25,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, Final
 
@@ -34,6 +35,7 @@ __all__ = ["Connection", "free_port"]
 
 PROBE_BUFFER: Final = 1 << 20  # a thin client's local buffer: the recovery probe's 1-byte put
 CHILD_SETUP_S: Final = 60.0  # the child's set-up is killed after this (Mooncake's own wait is 30 s)
+POLL_S: Final = 0.05  # how often a running child is looked at (its end, or our close)
 
 # The child: the same set-up as `_set_up`'s, with no segment and no buffer of its own; exit 0 if
 # it succeeded. argv: "master" host:port segment_bytes buffer_bytes protocol master, or
@@ -80,6 +82,8 @@ class Connection:
         why = self._refused()
         if why is None and child_first:
             why = self._child_fails()
+        if why is None and self._closed:  # closed while the child ran: no set-up in this process
+            why = "the remote layer closed"
         return why if why is not None else self._set_up()
 
     def close(self) -> None:
@@ -105,18 +109,24 @@ class Connection:
             port = free_port(config.remote_local_host)
             args = ["master", f"{config.remote_local_host}:{port}", config.remote_protocol, self._address]
         try:
-            done = subprocess.run(
-                [sys.executable, "-c", _CHILD, *args],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                timeout=CHILD_SETUP_S,
-                check=False,
+            child = subprocess.Popen(
+                [sys.executable, "-c", _CHILD, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
             )
-        except subprocess.TimeoutExpired:
-            return f"{self._target} did not answer a set-up in {CHILD_SETUP_S} s"
         except OSError as exc:
             return f"a set-up in a child process could not run ({exc})"
-        return None if done.returncode == 0 else f"{self._target} refused a set-up"
+        deadline = time.monotonic() + CHILD_SETUP_S
+        try:
+            while child.poll() is None:
+                if self._closed:
+                    return "the remote layer closed"
+                if time.monotonic() > deadline:
+                    return f"{self._target} did not answer a set-up in {CHILD_SETUP_S} s"
+                time.sleep(POLL_S)
+        finally:
+            if child.poll() is None:  # closing, or it ran out of time: it goes with us
+                child.kill()
+                child.wait()
+        return None if child.returncode == 0 else f"{self._target} refused a set-up"
 
     def _set_up(self) -> str | None:
         try:

@@ -347,8 +347,8 @@ class RemoteStore:
         """Stop probing, finish queued publishes, wait up to `drain_s` for calls still running (a
         client closed under a transfer crashes the process), then disconnect if the master answers
         (Mooncake's close waits 60 s for one that does not): True if the client was closed."""
+        self._connection.close()  # first: a prober in a child set-up ends it, and the join is short
         self.health.close()
-        self._connection.close()
         self._executor.shutdown(wait=True)
         if self.available:  # Mooncake's close waits 60 s for a master that does not answer: ask first
             self._call("get_size", PROBE_KEY)
