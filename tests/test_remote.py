@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import tracemalloc
 import uuid
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,20 @@ def remote_config(namespace: str, master: str, **extra: object) -> CacheConfig:
     )
     fields.update(extra)
     return CacheConfig(**fields)  # type: ignore[arg-type]
+
+
+def assert_pulled_in_place(cache: EmbeddingCache, name: str, size: int) -> None:
+    """`cache` gets `name` (of `size` elements, published by another node) from the store, into
+    node memory without a staging buffer (tracemalloc sees no allocation of its size)."""
+    tracemalloc.start()
+    try:
+        value = cache.get_or_compute(key_of(name), lambda: expected_value(name, size))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert cache.stats()["hits_remote"] == 1 and cache.stats()["computes"] == 0
+    assert fingerprint(value) == fingerprint(expected_value(name, size))
+    assert peak < 1 << 20, f"a {size * 2} byte pull allocated {peak} bytes: it went through a buffer"
 
 
 def compute_marked(cache: EmbeddingCache, name: str) -> tuple[bytes, int]:

@@ -11,7 +11,6 @@ import multiprocessing as mp
 import os
 import signal
 import time
-import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ from shmcache.remote.setaside import SetAside
 from shmcache.remote.store import RemoteStore, remote_key
 from shmcache.testing import MooncakeMaster
 from tests.helpers import InterruptAtLine, kill, spawn, wait_for
-from tests.test_remote import remote_config
+from tests.test_remote import assert_pulled_in_place, remote_config
 from tests.test_remote_recovery import _available
 from tests.workers import expected_value, fingerprint, key_of, pull_until_interrupted_then_stay
 
@@ -87,16 +86,7 @@ def test_a_pull_lands_in_node_memory_without_a_staging_copy(
         a.put(key_of("frame"), expected_value("frame", SIZE))
         wait_for(lambda: a.stats()["remote_publishes"] == 1, what="the publish")
         with EmbeddingCache(dataclasses.replace(node_a, namespace=other_namespace)) as b:
-            tracemalloc.start()
-            try:
-                value = b.get_or_compute(key_of("frame"), lambda: expected_value("frame", SIZE))
-                _, peak = tracemalloc.get_traced_memory()
-            finally:
-                tracemalloc.stop()
-            assert b.stats()["hits_remote"] == 1 and b.stats()["computes"] == 0
-            assert fingerprint(value) == fingerprint(expected_value("frame", SIZE))
-            assert peak < 1 << 20, f"a 4 MiB pull allocated {peak} bytes: it went through a buffer"
-            del value
+            assert_pulled_in_place(b, "frame", SIZE)
 
 
 def test_a_pull_sizes_its_extent_by_a_steady_size_of_its_kind(

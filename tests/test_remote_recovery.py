@@ -11,7 +11,6 @@ import os
 import signal
 import threading
 import time
-import tracemalloc
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,7 +24,7 @@ from shmcache.remote.store import RemoteStore
 from shmcache.testing import MooncakeMaster
 from tests import workers
 from tests.helpers import longest_stall, spawn, wait_for
-from tests.test_remote import remote_config
+from tests.test_remote import assert_pulled_in_place, remote_config
 from tests.workers import expected_value, fingerprint, key_of
 
 SIZE_4MIB = 1 << 21  # bf16 elements: 4 MiB
@@ -257,15 +256,6 @@ def test_a_node_that_opened_with_the_master_down_still_pulls_in_place(
             with EmbeddingCache(dataclasses.replace(node_b, namespace=shmcache_namespace)) as a:
                 a.put(key_of("late"), expected_value("late", SIZE_4MIB))
                 wait_for(lambda: a.stats()["remote_publishes"] == 1, what="the publish")
-                tracemalloc.start()
-                try:
-                    value = b.get_or_compute(key_of("late"), lambda: expected_value("late", SIZE_4MIB))
-                    _, peak = tracemalloc.get_traced_memory()
-                finally:
-                    tracemalloc.stop()
-                assert b.stats()["hits_remote"] == 1
-                assert fingerprint(value) == fingerprint(expected_value("late", SIZE_4MIB))
-                assert peak < 1 << 20, f"a 4 MiB pull allocated {peak} bytes: it went through a buffer"
-                del value
+                assert_pulled_in_place(b, "late", SIZE_4MIB)
     finally:
         master.kill()
