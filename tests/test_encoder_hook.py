@@ -18,9 +18,10 @@ from shmcache import (
     ComputeReentered,
     ConfigTypeError,
     EmbeddingCache,
+    EncoderPreprocessingConfig,
     InvalidKey,
 )
-from shmcache.integrations.encoder import CachedEncoder, PackedItems
+from shmcache.integrations.encoder import BatchedItems, CachedEncoder, PackedItems
 from tests.encoders import batch, build
 from tests.helpers import spawn
 
@@ -204,6 +205,43 @@ def test_a_packed_table_given_as_a_list_or_positionally_is_the_same_call(config:
             hook(pixels, grid_thw=[["a", 4, 4], [1, 4, 8]])
         with pytest.raises(ArgumentTypeError, match="position"):
             PackedItems("grid_thw", output_rows=lambda g: 1, position=0)
+
+
+def test_the_calls_other_arguments_are_in_every_items_key(
+    config: CacheConfig, pconfig: EncoderPreprocessingConfig
+) -> None:
+    """The same rows called with another argument, or with other rows of a per-item argument, are
+    other items (before: they hit the outputs of the first call, a false hit); an argument that
+    cannot be digested exactly runs the call without the cache."""
+    with EmbeddingCache(config) as cache:
+        computed: list[int] = []
+
+        def encoder(x: torch.Tensor, scale: Any = 1.0, mask: Any = None) -> torch.Tensor:
+            computed.append(x.shape[0])
+            out = x * float(scale) if not isinstance(scale, Opaque) else x
+            return out if mask is None else out * mask[:, None]
+
+        items = BatchedItems(per_item=("mask",))
+        hook = CachedEncoder(cache, encoder, items=items, preprocessing=pconfig, modality="image")
+        x = torch.arange(8.0).reshape(2, 4)
+        assert torch.equal(hook(x), x) and computed == [2]
+        assert torch.equal(hook(x, scale=2.0), 2 * x) and computed == [2, 2]
+        assert torch.equal(hook(x, scale=2.0), 2 * x) and computed == [2, 2]  # hits
+        assert torch.equal(hook(x, mask=torch.tensor([1.0, 0.0])), x * torch.tensor([[1.0], [0.0]]))
+        assert computed == [2, 2, 2]
+        assert torch.equal(hook(x, mask=torch.tensor([1.0, 1.0])), x) and computed == [
+            2,
+            2,
+            2,
+            1,
+        ]  # row 0: hit
+        entries = cache.stats()["entries"]
+        assert torch.equal(hook(x, scale=Opaque()), x) and computed[-1] == 2
+        assert cache.stats()["entries"] == entries  # not cached: its key could not cover it
+
+
+class Opaque:
+    """An argument the hook cannot digest exactly (its repr would leave its state out)."""
 
 
 def test_install_routes_a_modules_own_calls_and_uninstall_undoes_it(config: CacheConfig) -> None:

@@ -19,6 +19,7 @@ output for an item does not depend on the other items of its batch.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import threading
@@ -27,6 +28,7 @@ from typing import Any
 
 from shmcache.errors import ArgumentTypeError, CapacityError, ConfigTypeError, InvalidKey, PinLimitReached
 from shmcache.format.values import Value
+from shmcache.integrations.encoder.context import opaque
 from shmcache.integrations.encoder.items import ItemCall, ItemLayout
 from shmcache.keys.key import MODALITIES, EmbeddingCacheKey, Modality
 from shmcache.keys.preprocessing import EncoderPreprocessingConfig
@@ -43,6 +45,21 @@ log = logging.getLogger("shmcache")
 
 
 _pins_warned = threading.Event()  # set once the warning below was given
+
+
+_opaque_warned = threading.Event()  # set once the warning below was given
+
+
+def _opaque_warning(kind: str) -> None:
+    """Warn once per process that calls with an argument that cannot be digested exactly (it
+    may change the outputs, so it must be in their keys) run without the cache."""
+    if not _opaque_warned.is_set():
+        _opaque_warned.set()
+        log.warning(
+            "shmcache: encoder calls with an argument of type %s run without the cache (only tensors, "
+            "arrays, numbers, strings, None and lists, tuples and dicts of them can be in a key)",
+            kind,
+        )
 
 
 def _pins_warning() -> None:
@@ -112,9 +129,12 @@ class CachedEncoder:
         call = self.items.split(args, kwargs)
         if not self.cache.config.enable_embedding_cache or call.count == 0:
             return self.encoder(*args, **kwargs)
+        if any(context is None for context in call.contexts):
+            _opaque_warning(opaque(args[1:], kwargs))
+            return self.encoder(*args, **kwargs)
         keys = [
-            self.cache.key_from_decoded_tensor(tensor, self.preprocessing, modality=self.modality)
-            for tensor in call.keys
+            self.cache.key_from_decoded_tensor(tensor, self._configured(context), modality=self.modality)
+            for tensor, context in zip(call.keys, call.contexts, strict=True)
         ]
         request_id = current_request()
         try:
@@ -126,6 +146,13 @@ class CachedEncoder:
         if missing:
             self._fill(call, keys, outputs, missing, request_id)
         return self.items.join(outputs)
+
+    def _configured(self, context: bytes | None) -> EncoderPreprocessingConfig:
+        """The preprocessing config of an item's key, with the digest of what else its call passed."""
+        if not context:
+            return self.preprocessing
+        prior = self.preprocessing.processor_config_hash
+        return dataclasses.replace(self.preprocessing, processor_config_hash=f"{prior}|call:{context.hex()}")
 
     def _fill(
         self,

@@ -3,6 +3,9 @@ how to call the encoder on some of the items, and how to cut and join the output
 
 - `BatchedItems`: item i is row i of the first argument (CLIP/SigLIP pixel batches, Whisper
   feature batches); the output has one row per item.
+
+Each item's key also covers the call's other arguments (and the item's rows of per-item ones):
+`context.py`.
 - `PackedItems`: the items are packed one after another along a dimension of the first argument,
   each described by one row of a table argument (Qwen-VL's `grid_thw`: an image of t x h x w
   patches is t*h*w rows of `pixel_values` and gives `output_rows(t, h, w)` rows of embeddings).
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from shmcache.errors import ArgumentTypeError, UnsupportedValue
+from shmcache.integrations.encoder.context import call_context
 
 __all__ = ["BatchedItems", "ItemCall", "ItemLayout", "PackedItems"]
 
@@ -29,6 +33,7 @@ class ItemCall:
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     keys: list[Any]  # per item, the tensor its cache key is made of
+    contexts: list[bytes | None]  # per item, `call_context` of everything else its output depends on
 
     @property
     def count(self) -> int:
@@ -78,13 +83,22 @@ class BatchedItems:
         batch = _first_tensor(args)
         if batch.dim() == 0:
             raise ArgumentTypeError("the batched input must have a batch dimension")
-        return ItemCall(args, kwargs, [batch[i] for i in range(batch.shape[0])])
+        count = batch.shape[0]
+        given = [name for name in self.per_item if name in kwargs]  # a per-item argument may be left out
+        shared = {name: value for name, value in kwargs.items() if name not in given}
+        if not given:  # one digest for the whole call
+            contexts = [call_context(args[1:], shared)] * count
+        else:
+            own = [{f"{name}[item]": kwargs[name][i] for name in given} for i in range(count)]
+            contexts = [call_context(args[1:], {**shared, **rows}) for rows in own]
+        return ItemCall(args, kwargs, [batch[i] for i in range(count)], contexts)
 
     def subset(self, call: ItemCall, items: Sequence[int]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         rows = list(items)
         kwargs = dict(call.kwargs)
         for name in self.per_item:
-            kwargs[name] = kwargs[name][rows]
+            if name in kwargs:
+                kwargs[name] = kwargs[name][rows]
         return (call.args[0][rows], *call.args[1:]), kwargs
 
     def cut(self, output: Any, call: ItemCall, items: Sequence[int]) -> list[Any]:
@@ -156,7 +170,10 @@ class PackedItems:
             part.movedim(self.dim, 0).reshape(*row, *part.movedim(self.dim, 0).shape[1:])
             for part, row in zip(parts, rows, strict=True)
         ]
-        return ItemCall(args, kwargs, keys)
+        _, place = self._table(args, kwargs)  # the table is in the keys' shapes
+        others = tuple(value for i, value in enumerate(args) if i not in (0, place))
+        context = call_context(others, {name: value for name, value in kwargs.items() if name != place})
+        return ItemCall(args, kwargs, keys, [context] * len(keys))
 
     def subset(self, call: ItemCall, items: Sequence[int]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The call over `items`, its table in the form and place the call gave it."""
