@@ -9,7 +9,7 @@ __all__ = ["at_least"]
 
 
 def at_least(
-    minimum: int, kind: type[int] | type[float] = int, *, at_most: int = 1 << 31
+    minimum: float, kind: type[int] | type[float] = int, *, at_most: int = 1 << 31
 ) -> Callable[[str], int | float]:
     """An argparse type: a number of `kind` from `minimum` to `at_most`."""
 

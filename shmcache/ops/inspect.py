@@ -341,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     show.add_argument("namespace")
     show.add_argument("--json", action="store_true", help="machine-readable (docs/inspect.md)")
     show.add_argument(
-        "--watch", type=at_least(0, float, at_most=86400), metavar="SECONDS", help="repeat every SECONDS"
+        "--watch", type=at_least(0.01, float, at_most=86400), metavar="SECONDS", help="repeat every SECONDS"
     )
     show.add_argument("--entries", type=at_least(0), default=None, help="show at most N entries")
     gc = sub.add_parser("gc", help="reap dead processes' records, pins and reservations")
