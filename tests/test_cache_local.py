@@ -338,3 +338,20 @@ def test_a_wait_on_a_reservation_of_this_process_says_so(
         with pytest.raises(ComputeTimeout, match="this process"):
             cache.reserve(key(pconfig, "mine"))
         res.abandon("done")
+
+
+def test_repeat_hits_are_counted_once_each_with_or_without_a_request(
+    config: CacheConfig, pconfig: EncoderPreprocessingConfig
+) -> None:
+    """A repeat hit counts itself in its native check, unless a request's reference may still
+    fail it (then after that reference); a put's look at a live view counts nothing."""
+    with EmbeddingCache(config) as cache:
+        k = key(pconfig, "counted")
+        cache.put(k, torch.ones(4))
+        held = cache.get(k)  # a node hit: the view is alive from here on
+        assert cache.get(k) is not None and cache.get(k, request_id="r") is not None
+        cache.put(k, torch.ones(4))  # first writer wins: not a lookup
+        stats = cache.stats()
+        assert (stats["hits_node"], stats["hits_process"], stats["misses"]) == (1, 2, 0)
+        assert cache.cleanup_request("r") == 1
+        del held

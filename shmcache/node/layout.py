@@ -203,7 +203,11 @@ assert (_native.KEY_SIZE, _native.STRIPE_SIZE, _native.LOCK_SIZE) == (KEY_SIZE, 
 assert (ATTACHMENT_SIZE, PIN.size) == (_native.ATTACHMENT_SIZE, _native.PIN_SIZE)
 assert (_native.CLIENT_HEAD_SIZE, _native.C_COUNTERS) == (CLIENT_HEAD_SIZE, C_COUNTERS)
 assert _native.COUNTER_EVICTIONS_TTL == Counter.EVICTIONS_TTL
-assert _native.COUNTER_HITS_NODE == Counter.HITS_NODE and _native.COUNTER_MISSES == Counter.MISSES
+assert (_native.COUNTER_HITS_PROCESS, _native.COUNTER_HITS_NODE, _native.COUNTER_MISSES) == (
+    Counter.HITS_PROCESS,
+    Counter.HITS_NODE,
+    Counter.MISSES,
+)
 assert (_native.H_READY, _native.DESTROYED) == (H_READY, DESTROYED)
 
 

@@ -86,10 +86,10 @@ class Lookups:
             for needle, answer in zip(needles, self._native.contains_many(needles), strict=True)
         ]
 
-    def repeat_hit(self, slot: int, gen: int) -> bool:
+    def repeat_hit(self, slot: int, gen: int, *, counted: bool) -> bool:
         """Lock-free: an entry this process holds a pin on, (slot, gen), is still sealed and
-        unexpired (the access is then stamped)."""
-        return self._native.repeat_hit(slot, gen)
+        unexpired (the access is then stamped, and with `counted` a process hit counted)."""
+        return self._native.repeat_hit(slot, gen, counted)
 
     def hit_in(self, stripe: int, needle: bytes, now: float, pins: int) -> SealedEntry | None:
         """The lookup step inside a stripe section the caller holds."""

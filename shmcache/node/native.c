@@ -101,7 +101,7 @@
 
 enum { EMPTY = 0, RESERVED = 1, SEALED = 2, STALE = 3 };
 /* Counter indices used here (layout.Counter; checked from layout.py) */
-enum { COUNTER_HITS_NODE = 1, COUNTER_MISSES = 2, COUNTER_EVICTIONS_TTL = 7 };
+enum { COUNTER_HITS_PROCESS = 0, COUNTER_HITS_NODE = 1, COUNTER_MISSES = 2, COUNTER_EVICTIONS_TTL = 7 };
 
 #pragma pack(push, 1)
 typedef struct {
@@ -1071,12 +1071,17 @@ static int slot_now_args(Index *ix, PyObject *const *args, Py_ssize_t nargs, con
     return check_slot(ix, *slot);
 }
 
-/* The repeat-hit check (rule 4): (slot, gen) is still sealed and unexpired; stamps the access. */
+/* The repeat-hit check (rule 4): (slot, gen) is still sealed and unexpired; stamps the access,
+ * and with `counted` counts a process hit (HITS_PROCESS). */
 static PyObject *Index_repeat_hit(Index *ix, PyObject *const *args, Py_ssize_t nargs) {
     Py_ssize_t slot;
     uint64_t gen;
-    if (usage_error(nargs, 2, "repeat_hit(slot, gen)") < 0 || as_ssize(args[0], &slot) < 0 ||
+    if (usage_error(nargs, 3, "repeat_hit(slot, gen, counted)") < 0 || as_ssize(args[0], &slot) < 0 ||
         as_u64(args[1], &gen) < 0 || check_slot(ix, slot) < 0 || check_live(ix) < 0) {
+        return NULL;
+    }
+    int counted = PyObject_IsTrue(args[2]);
+    if (counted < 0) {
         return NULL;
     }
     char *at = slot_at(ix, slot);
@@ -1087,6 +1092,9 @@ static PyObject *Index_repeat_hit(Index *ix, PyObject *const *args, Py_ssize_t n
         Py_RETURN_FALSE;
     }
     touch(ix, slot, now);
+    if (counted) {
+        count(ix, COUNTER_HITS_PROCESS, 1);
+    }
     Py_RETURN_TRUE;
 }
 
@@ -1654,7 +1662,8 @@ static PyMethodDef Index_methods[] = {
     {"unpin_in", (PyCFunction)(void (*)(void))Index_unpin_in, METH_FASTCALL,
      "unpin_in(slot, gen, count): drop pins inside the stripe section; False if the record is damaged."},
     {"repeat_hit", (PyCFunction)(void (*)(void))Index_repeat_hit, METH_FASTCALL,
-     "repeat_hit(slot, gen): lock-free: still sealed, same gen, unexpired (then the access is stamped)."},
+     "repeat_hit(slot, gen, counted): lock-free: still sealed, same gen, unexpired (then the access "
+     "is stamped and, if counted, a process hit counted)."},
     {"touch", (PyCFunction)(void (*)(void))Index_touch, METH_FASTCALL,
      "touch(slot, now): stamp an access (LRU, TTL): one aligned 8-byte store."},
     {"expired", (PyCFunction)(void (*)(void))Index_expired, METH_FASTCALL,
@@ -1798,6 +1807,7 @@ PyMODINIT_FUNC PyInit__native(void) {
         PyModule_AddIntConstant(m, "C_COUNTERS", C_COUNTERS) < 0 ||
         PyModule_AddIntConstant(m, "PIN_SIZE", PIN_SIZE) < 0 ||
         PyModule_AddIntConstant(m, "ATTACHMENT_SIZE", ATTACHMENT_SIZE) < 0 ||
+        PyModule_AddIntConstant(m, "COUNTER_HITS_PROCESS", COUNTER_HITS_PROCESS) < 0 ||
         PyModule_AddIntConstant(m, "COUNTER_HITS_NODE", COUNTER_HITS_NODE) < 0 ||
         PyModule_AddIntConstant(m, "COUNTER_MISSES", COUNTER_MISSES) < 0 ||
         PyModule_AddIntConstant(m, "COUNTER_EVICTIONS_TTL", COUNTER_EVICTIONS_TTL) < 0) {

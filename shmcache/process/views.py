@@ -314,8 +314,6 @@ class Views:
         if found is None or holder is None:
             return None
         node, slot, gen = self._node, found.sealed.slot, found.sealed.gen
-        if not node.lookups.repeat_hit(slot, gen):
-            return None
         template = found.template() if found.template is not None else None
         if template is not None and decode.signature(template) != found.signature:
             template = None  # its holder changed it in place: not aliased
@@ -326,12 +324,15 @@ class Views:
                 return None  # its exporter died or withdrew it: no new aliases of that memory
         if self._check_views:
             self._check_unmodified(needle, key, holder)
+        # the hit is counted in the same native call unless a request's ref may still fail it
+        if not node.lookups.repeat_hit(slot, gen, counted=count and request_id is None):
+            return None
         if request_id is not None:
             if not node.add_ref(slot, gen):
                 return None
             self._requests.add(request_id, slot, gen)
-        if count:
-            node.count(Counter.HITS_PROCESS)
+            if count:
+                node.count(Counter.HITS_PROCESS)
         if template is not None:
             return decode.alias(template)
         return decode.materialize(holder, found.parsed, base=entry.ENTRY_HEADER_SIZE)
