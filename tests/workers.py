@@ -19,6 +19,13 @@ from shmcache.kernel.cowmap import CowMapper
 from shmcache.testing import sample_preprocessing
 
 
+def report(path: str, text: str) -> None:
+    """Write `text` to the file `path` whole: a test reads it as soon as it exists (a file made
+    and then written read empty once, in a CI run)."""
+    Path(path + ".tmp").write_text(text)
+    os.rename(path + ".tmp", path)
+
+
 def key_of(name: str) -> EmbeddingCacheKey:
     return EmbeddingCacheKey.from_raw_bytes(name.encode(), sample_preprocessing(), modality="image")
 
@@ -206,7 +213,7 @@ def fake_gpu_exporter(config: CacheConfig, name: str, ready: str) -> None:
     stand_in_gpu_export(cache)
     cache.put(key_of(name), expected_value(name))
     identity = cache._node.identity
-    Path(ready).write_text(f"{identity.row} {identity.pid} {identity.start_ticks}")
+    report(ready, f"{identity.row} {identity.pid} {identity.start_ticks}")
     time.sleep(3600)
 
 
@@ -234,8 +241,7 @@ def adopt_then(
     be SIGKILLed holding it."""
     cache = EmbeddingCache(config)
     res = cache.adopt(ticket, key_of(name))
-    Path(adopted + ".tmp").write_text("adopted" if res is not None else "lost")
-    os.rename(adopted + ".tmp", adopted)  # whole: the test reads it as soon as it exists
+    report(adopted, "adopted" if res is not None else "lost")
     if res is None or go is None:
         time.sleep(3600)
         return
@@ -271,7 +277,7 @@ def get_or_compute_to(config: CacheConfig, name: str, out: str) -> None:
     with EmbeddingCache(config) as cache:
         value = cache.get_or_compute(key_of(name), compute)
         how = "computed" if computed else "waited"
-        Path(out).write_text(f"{how} {fingerprint(value).hex()}")
+        report(out, f"{how} {fingerprint(value).hex()}")
 
 
 def reserve_then_wait(config: CacheConfig, name: str, batch: bool, ready: str) -> None:
@@ -298,8 +304,7 @@ def get_or_compute_until_interrupted(config: CacheConfig, name: str, go: str, ou
             how = "returned"
         except KeyboardInterrupt:
             how = "interrupted"
-        Path(out + ".tmp").write_text(how)
-        os.rename(out + ".tmp", out)
+        report(out, how)
 
 
 def pull_until_interrupted_then_stay(
@@ -321,8 +326,7 @@ def pull_until_interrupted_then_stay(
             how = "returned"
         except KeyboardInterrupt:
             how = "interrupted"
-        Path(out + ".tmp").write_text(how)
-        os.rename(out + ".tmp", out)
+        report(out, how)
         while not Path(go + ".stop").exists():
             time.sleep(0.01)
 
