@@ -130,7 +130,7 @@ def test_a_thin_client_whose_holder_starts_late_picks_it_up_without_stalling(
     with EmbeddingCache(thin) as cache:
         opened = time.monotonic() - started
         cache.get_or_compute(key_of("late"), lambda: expected_value("late", 4096))  # node-local
-        stalled = longest_stall(5.0)
+        stalled = longest_stall(3.0)
         holder = MooncakeHolder(shmcache_mooncake, port=port)
         try:
             wait_for(lambda: _available(cache), timeout=60, what="the holder to be picked up")

@@ -159,11 +159,11 @@ def test_a_master_down_at_open_is_picked_up_when_it_starts_and_never_stalls_the_
         with EmbeddingCache(remote_config(shmcache_namespace, master.address)) as cache:
             opened = time.monotonic() - started
             assert _value(cache, "x") == fingerprint(expected_value("x"))  # node-local meanwhile
-            down = longest_stall(6.0)  # probes at 0.25, 0.5, 1, 2 and 4 s
+            down = longest_stall(3.0)  # probes at 0.25, 0.5, 1 and 2 s (a stalled one: 4.3 s)
             master.restart()
             os.kill(master.process.pid, signal.SIGSTOP)
             try:
-                hung = longest_stall(8.0)
+                hung = longest_stall(4.5)  # the next probe comes at 7.75 s
             finally:
                 os.kill(master.process.pid, signal.SIGCONT)
             wait_for(lambda: _available(cache), timeout=60, what="the late master to be picked up")
