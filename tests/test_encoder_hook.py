@@ -229,12 +229,9 @@ def test_the_calls_other_arguments_are_in_every_items_key(
         assert torch.equal(hook(x, scale=2.0), 2 * x) and computed == [2, 2]  # hits
         assert torch.equal(hook(x, mask=torch.tensor([1.0, 0.0])), x * torch.tensor([[1.0], [0.0]]))
         assert computed == [2, 2, 2]
-        assert torch.equal(hook(x, mask=torch.tensor([1.0, 1.0])), x) and computed == [
-            2,
-            2,
-            2,
-            1,
-        ]  # row 0: hit
+        assert torch.equal(hook(x, mask=torch.tensor([1.0, 1.0])), x)
+        assert computed == [2, 2, 2, 1]  # row 0 with mask 1: a hit
+        assert torch.equal(hook(x, mask=None), x) and computed[-1] == 2  # None: no rows (was TypeError)
         entries = cache.stats()["entries"]
         assert torch.equal(hook(x, scale=Opaque()), x) and computed[-1] == 2
         assert cache.stats()["entries"] == entries  # not cached: its key could not cover it

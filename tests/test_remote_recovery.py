@@ -121,8 +121,8 @@ def _set_up_children() -> list[int]:
     """This process's children running the prober's child set-up (`remote/connection.py`)."""
     pids = []
     for task in Path(f"/proc/{os.getpid()}/task").iterdir():
-        for child in (task / "children").read_text().split():
-            with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError):  # a thread or child that ended meanwhile
+            for child in (task / "children").read_text().split():
                 if b"MooncakeDistributedStore" in Path(f"/proc/{child}/cmdline").read_bytes():
                     pids.append(int(child))
     return pids

@@ -311,9 +311,9 @@ def test_a_lease_held_elsewhere_is_waited_for_at_most_half_our_compute_timeout(
 ) -> None:
     """Another node holds the lease with a deadline 60 s off (a hung holder, a clock ahead): our
     node's owner waited for that deadline while the node's other callers, waiting on its node
-    reservation for compute_timeout_s (4 s) each, got `ComputeTimeout`. Now the owner takes over
-    after 2 s, and every caller of the node gets the value."""
-    config = remote_config(shmcache_namespace, shmcache_mooncake.address, compute_timeout_s=4.0)
+    reservation for compute_timeout_s (6 s) each, got `ComputeTimeout`. Now the owner takes over
+    after 3 s, and every caller of the node gets the value."""
+    config = remote_config(shmcache_namespace, shmcache_mooncake.address, compute_timeout_s=6.0)
     with EmbeddingCache(config) as cache:
         bridge = cache._bridge
         assert bridge is not None

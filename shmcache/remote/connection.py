@@ -112,8 +112,8 @@ class Connection:
             child = subprocess.Popen(
                 [sys.executable, "-c", _CHILD, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
             )
-        except OSError as exc:
-            return f"a set-up in a child process could not run ({exc})"
+        except OSError:  # no Python to run it with (an embedded interpreter): set up here, as before
+            return None
         deadline = time.monotonic() + CHILD_SETUP_S
         try:
             while child.poll() is None:

@@ -117,8 +117,8 @@ def hold_or_wait(
     if not store.put_bytes(lease, mine):
         return mine, None  # the store does not answer: compute
     held = _read(store, lease)
-    give_up = time.monotonic() + WAIT_SHARE * timeout_s
     while held is not None and held != mine:
+        give_up = time.monotonic() + WAIT_SHARE * timeout_s  # for each token seen: a fresh takeover too
         while _waits(held, node) and time.monotonic() < give_up:
             gone = store.size_of(lease) is None  # looked up first: a holder removes its lease
             value = pull()  # only after its publish is over, so a value stored is found now

@@ -91,6 +91,7 @@ class RemoteStore:
         self._tcp = config.remote_protocol == "tcp"  # config.py
         self._client: Any = None
         self._running: set[Future[Any]] = set()  # calls not done yet: `close` waits for them
+        self._submitting, self._closing = threading.Lock(), False
         self.staging: Staging | None = None
         self._warned_full, self._registered = False, set[tuple[int, int]]()
         self._wanted = set[tuple[int, int]]()  # ranges `register` was asked for
@@ -130,7 +131,7 @@ class RemoteStore:
 
     @property
     def available(self) -> bool:
-        return self.health.up and self._client is not None
+        return self.health.up and self._client is not None and not self._closing
 
     def _call(self, method: str, *args: Any, stuck: Stuck = None) -> Any:
         """`client.method(*args)` (a return code, or a list of them), waiting at most `timeout_s`.
@@ -142,11 +143,12 @@ class RemoteStore:
         client = self._client
         if client is None:
             return None
-        try:
-            future = self._calls.submit(getattr(client, method), *args)
-        except RuntimeError:  # the executor is shut down: closing
-            return None
-        self._running.add(future)
+        with self._submitting:  # `close` shuts the pool under this lock: no call it does not see
+            try:
+                future = self._calls.submit(getattr(client, method), *args)
+            except RuntimeError:  # the executor is shut down: closing
+                return None
+            self._running.add(future)
         future.add_done_callback(self._running.discard)
         try:
             result = future.result(self._timeout)
@@ -352,8 +354,10 @@ class RemoteStore:
         self._executor.shutdown(wait=True)
         if self.available:  # Mooncake's close waits 60 s for a master that does not answer: ask first
             self._call("get_size", PROBE_KEY)
-        self._calls.shutdown(wait=False, cancel_futures=True)
-        running = [future for future in list(self._running) if not future.done()]
+        with self._submitting:
+            self._closing = True  # nothing asks the client from here on (its buffers included)
+            self._calls.shutdown(wait=False, cancel_futures=True)
+            running = [future for future in list(self._running) if not future.done()]
         if running:  # closing the client under a running transfer crashes the process (SIGSEGV)
             futures_wait(running, timeout=drain_s)
         if any(not future.done() for future in running):

@@ -84,7 +84,7 @@ class BatchedItems:
         if batch.dim() == 0:
             raise ArgumentTypeError("the batched input must have a batch dimension")
         count = batch.shape[0]
-        given = [name for name in self.per_item if name in kwargs]  # a per-item argument may be left out
+        given = [name for name in self.per_item if kwargs.get(name) is not None]  # may be left out, or None
         shared = {name: value for name, value in kwargs.items() if name not in given}
         if not given:  # one digest for the whole call
             contexts = [call_context(args[1:], shared)] * count
@@ -97,7 +97,7 @@ class BatchedItems:
         rows = list(items)
         kwargs = dict(call.kwargs)
         for name in self.per_item:
-            if name in kwargs:
+            if kwargs.get(name) is not None:
                 kwargs[name] = kwargs[name][rows]
         return (call.args[0][rows], *call.args[1:]), kwargs
 
