@@ -295,8 +295,8 @@ def test_a_lease_near_its_deadline_is_left_to_expire(shmcache_mooncake: Mooncake
     is left to expire; one further off is removed."""
     store = RemoteStore(remote_config("unused", shmcache_mooncake.address), lambda counter, n: None)
     try:
-        near = lease.try_hold(store, "near", lease.RELEASE_MARGIN_S / 2, "our-node")
-        far = lease.try_hold(store, "far", 60.0, "our-node")
+        near = lease.try_hold(store, "near", lease.RELEASE_MARGIN_S / 2, "our-node", {})
+        far = lease.try_hold(store, "far", 60.0, "our-node", {})
         assert near is not None and far is not None
         lease.release(store, lease.Lease("near", near))
         lease.release(store, lease.Lease("far", far))
@@ -339,3 +339,21 @@ def test_a_lease_held_elsewhere_is_waited_for_at_most_half_our_compute_timeout(
         waiter.join(90)
         assert got == {"owner": "value", "waiter": "value"}, got
         assert cache.stats()["computes"] == 1
+
+
+def test_a_lease_held_elsewhere_defers_a_batch_for_at_most_half_our_compute_timeout(
+    shmcache_mooncake: MooncakeMaster, shmcache_namespace: str
+) -> None:
+    """The batch path (a vLLM scheduler asks at every step): another node's lease, 60 s from its
+    deadline, deferred the key until then; now for half of our compute_timeout_s (1 s)."""
+    config = remote_config(shmcache_namespace, shmcache_mooncake.address, compute_timeout_s=2.0)
+    with EmbeddingCache(config) as cache:
+        bridge = cache._bridge
+        assert bridge is not None
+        name = remote_key(config.remote_key_prefix, key_of("batched")) + LEASE_SUFFIX
+        assert bridge.store.put_bytes(name, f"{'cd' * 8}|another-node|{time.time() + 60:.3f}".encode())
+        assert cache.try_reserve_many([key_of("batched")]) == [None]  # another node computes it
+        time.sleep(1.2)
+        [res] = cache.try_reserve_many([key_of("batched")])
+        assert res is not None and res.owned  # taken over
+        res.commit(expected_value("batched"))

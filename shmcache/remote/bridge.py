@@ -101,6 +101,7 @@ class RemoteBridge:
         self._single_flight, self._lease_s = single_flight, lease_s
         self._node_tag = lease.node_tag(node.segments.names.index)  # in our lease tokens
         self._leases: dict[tuple[int, int], lease.Lease] = {}  # by the (slot, gen) it covers
+        self._leases_seen: dict[bytes, float] = {}  # other nodes' lease tokens: when first seen
         self._sizes = SizeGuesses()
         self.set_aside = SetAside(node)  # node memory our transfers may still write
 
@@ -227,7 +228,7 @@ class RemoteBridge:
         name = remote_key(self._prefix, reservation.key)
         if not take:
             return not lease.held_elsewhere(self.store, name, self._node_tag)
-        token = lease.try_hold(self.store, name, self._lease_s, self._node_tag)
+        token = lease.try_hold(self.store, name, self._lease_s, self._node_tag, self._leases_seen)
         if token is None:
             return False
         self._leases[(reservation.slot, reservation.gen)] = lease.Lease(name, token)

@@ -35,8 +35,11 @@ node reservation of a key and found no copy in the store:
    that share a host name and a namespace name would take each other's leases over at once
    (each still computes once per node).
 
-`try_reserve_many` (the encoder hook's batch path) takes leases without waiting (`try_hold`): a
-key whose lease another node holds is given back by our node and waited for on the blocking path.
+`try_reserve_many` (the encoder hook's and the vLLM scheduler's batch path) takes leases without
+waiting (`try_hold`): a key whose lease another node holds is given back by our node and waited
+for on the blocking path, or asked for again (the scheduler's next step); past `WAIT_SHARE` of
+`compute_timeout_s` since this process first saw that lease, it is taken over, as on the
+blocking path.
 A caller that computes for itself alone and stores nothing (a vLLM `ec_consumer` engine) only
 looks (`held_elsewhere`): it waits for another node's live lease, takes none of its own, and
 removes an orphan of its own node (step 5) as a holder removes its lease (step 4).
@@ -138,11 +141,18 @@ def hold_or_wait(
     return mine, None
 
 
-def try_hold(store: RemoteStore, name: str, timeout_s: float, node: str) -> bytes | None:
+def try_hold(
+    store: RemoteStore, name: str, timeout_s: float, node: str, seen: dict[bytes, float]
+) -> bytes | None:
     """Take the lease of `name` without waiting (the batch path): our token (compute), or None
-    when another node holds a live lease (wait for its value). `node` is our node's tag. Any
-    store error means ours."""
+    when another node holds a live lease (wait for its value), for at most `WAIT_SHARE` of
+    `timeout_s` since this process first saw that token (`seen`: token -> when, kept by the
+    caller across calls; the batch path is asked again at each scheduler step). `node` is our
+    node's tag. Any store error means ours."""
     lease = name + LEASE_SUFFIX
+    now = time.monotonic()
+    for old in [token for token, at in seen.items() if now - at > timeout_s]:
+        del seen[old]  # bounded: tokens older than a whole timeout are of no use any more
     for put in (store.put_bytes, store.upsert_bytes):  # put; over a lease not worth waiting for, upsert
         mine = _token(timeout_s, node)
         if not put(lease, mine):
@@ -150,7 +160,8 @@ def try_hold(store: RemoteStore, name: str, timeout_s: float, node: str) -> byte
         held = _read(store, lease)
         if held is None or held == mine:
             return mine
-        if _waits(held, node):
+        waited = now - seen.setdefault(held, now)
+        if _waits(held, node) and (put is store.upsert_bytes or waited < WAIT_SHARE * timeout_s):
             return None
     return None
 
