@@ -306,6 +306,16 @@ def test_a_lease_near_its_deadline_is_left_to_expire(shmcache_mooncake: Mooncake
         store.close()
 
 
+def another_nodes_lease(cache: EmbeddingCache, name: str) -> None:
+    """Put another node's live lease of `name`, 60 s from its deadline (a hung holder, a clock ahead)."""
+    bridge = cache._bridge
+    assert bridge is not None
+    token = f"{uuid.uuid4().hex[:16]}|another-node|{time.time() + 60:.3f}"
+    assert bridge.store.put_bytes(
+        remote_key(cache.config.remote_key_prefix, key_of(name)) + LEASE_SUFFIX, token.encode()
+    )
+
+
 def test_a_lease_held_elsewhere_is_waited_for_at_most_half_our_compute_timeout(
     shmcache_mooncake: MooncakeMaster, shmcache_namespace: str
 ) -> None:
@@ -315,17 +325,16 @@ def test_a_lease_held_elsewhere_is_waited_for_at_most_half_our_compute_timeout(
     after 3 s, and every caller of the node gets the value."""
     config = remote_config(shmcache_namespace, shmcache_mooncake.address, compute_timeout_s=6.0)
     with EmbeddingCache(config) as cache:
-        bridge = cache._bridge
-        assert bridge is not None
-        name = remote_key(config.remote_key_prefix, key_of("slow")) + LEASE_SUFFIX
-        assert bridge.store.put_bytes(name, f"{'ab' * 8}|another-node|{time.time() + 60:.3f}".encode())
+        another_nodes_lease(cache, "slow")
         got: dict[str, str] = {}
+
+        def slow() -> Any:
+            time.sleep(1.0)
+            return expected_value("slow")
 
         def caller(role: str) -> None:
             try:
-                value = cache.get_or_compute(
-                    key_of("slow"), lambda: (time.sleep(1.0), expected_value("slow"))[1]
-                )
+                value = cache.get_or_compute(key_of("slow"), slow)
                 got[role] = "value" if fingerprint(value) == fingerprint(expected_value("slow")) else "wrong"
             except ShmCacheError as exc:
                 got[role] = type(exc).__name__
@@ -348,10 +357,7 @@ def test_a_lease_held_elsewhere_defers_a_batch_for_at_most_half_our_compute_time
     deadline, deferred the key until then; now for half of our compute_timeout_s (1 s)."""
     config = remote_config(shmcache_namespace, shmcache_mooncake.address, compute_timeout_s=2.0)
     with EmbeddingCache(config) as cache:
-        bridge = cache._bridge
-        assert bridge is not None
-        name = remote_key(config.remote_key_prefix, key_of("batched")) + LEASE_SUFFIX
-        assert bridge.store.put_bytes(name, f"{'cd' * 8}|another-node|{time.time() + 60:.3f}".encode())
+        another_nodes_lease(cache, "batched")
         assert cache.try_reserve_many([key_of("batched")]) == [None]  # another node computes it
         time.sleep(1.2)
         [res] = cache.try_reserve_many([key_of("batched")])
