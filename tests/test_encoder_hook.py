@@ -5,10 +5,12 @@ joins the outputs in order, bit-identical to the unwrapped encoder on the whole 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import multiprocessing as mp
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -22,6 +24,7 @@ from shmcache import (
     InvalidKey,
 )
 from shmcache.integrations.encoder import BatchedItems, CachedEncoder, PackedItems
+from shmcache.integrations.encoder.context import call_context
 from tests.encoders import batch, build
 from tests.helpers import spawn
 
@@ -119,6 +122,15 @@ def test_references_follow_the_request_in_scope(config: CacheConfig) -> None:
         assert cache.stats()["references"] == 0  # no request in scope: nothing held
 
 
+def _nothing_kept_then_encoded(
+    cache: EmbeddingCache, hook: CachedEncoder, encoder: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    """After a call that failed: no reservation and no entry left, and `hook` encodes the batch."""
+    stats = cache.stats()
+    assert stats["reserved"] == 0 and stats["entries"] == 0
+    assert torch.equal(hook(*args, **kwargs), encoder(*args, **kwargs))
+
+
 def test_a_failing_encoder_abandons_its_items_and_the_next_call_encodes_them(config: CacheConfig) -> None:
     with EmbeddingCache(config) as cache:
         encoder, hook = _hooked(cache, "whisper")
@@ -132,9 +144,7 @@ def test_a_failing_encoder_abandons_its_items_and_the_next_call_encodes_them(con
         )
         with pytest.raises(ZeroDivisionError):
             broken(*args, **kwargs)
-        stats = cache.stats()
-        assert stats["reserved"] == 0 and stats["entries"] == 0
-        assert torch.equal(hook(*args, **kwargs), encoder(*args, **kwargs))
+        _nothing_kept_then_encoded(cache, hook, encoder, args, kwargs)
 
 
 def test_the_same_patch_rows_under_another_grid_are_another_item(config: CacheConfig) -> None:
@@ -237,6 +247,22 @@ def test_the_calls_other_arguments_are_in_every_items_key(
         assert cache.stats()["entries"] == entries  # not cached: its key could not cover it
 
 
+def test_dtypes_devices_and_enum_members_are_digested_by_name() -> None:
+    """`dtype=torch.float16` or `device=...` in a call keeps it cacheable, and they tell calls
+    apart (they were opaque: every such call ran without the cache)."""
+    half, single = call_context((), {"dtype": torch.float16}), call_context((), {"dtype": torch.float32})
+    assert half is not None and single is not None and half != single
+    cpu = call_context((torch.device("cpu"), np.dtype("float32"), Modality.IMAGE), {})
+    assert cpu is not None and cpu != call_context(
+        (torch.device("meta"), np.dtype("float32"), Modality.IMAGE), {}
+    )
+    assert call_context((), {"scale": Opaque()}) is None
+
+
+class Modality(enum.Enum):
+    IMAGE = "image"
+
+
 class Opaque:
     """An argument the hook cannot digest exactly (its repr would leave its state out)."""
 
@@ -287,9 +313,7 @@ def test_a_hook_around_a_hook_of_the_same_items_fails_at_once(config: CacheConfi
         args, kwargs = batch("clip", [1, 2])
         with pytest.raises(ComputeReentered):
             outer(*args, **kwargs)
-        stats = cache.stats()
-        assert stats["reserved"] == 0 and stats["entries"] == 0
-        assert torch.equal(inner(*args, **kwargs), encoder(*args, **kwargs))
+        _nothing_kept_then_encoded(cache, inner, encoder, args, kwargs)
 
 
 def test_a_disabled_cache_calls_the_encoder_as_is(config: CacheConfig) -> None:

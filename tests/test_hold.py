@@ -95,5 +95,5 @@ def test_a_namespace_destroyed_under_the_holder_ends_it_with_rc_1(namespace: str
     finally:
         holder.kill()
         holder.wait()
-    assert holder.returncode == 1 and b"destroyed" in err, (holder.returncode, err)
+    assert holder.returncode == 1 and b"was destroyed under it" in err, (holder.returncode, err)
     assert not namespace_objects(namespace)

@@ -25,7 +25,7 @@ import threading
 from pathlib import Path
 from typing import Final
 
-from shmcache.errors import ShmCacheError
+from shmcache.errors import CacheClosed, ShmCacheError
 from shmcache.integrations.vllm.settings import ConnectorSettings
 from shmcache.process.cache import EmbeddingCache
 
@@ -58,7 +58,12 @@ def main(argv: list[str] | None = None) -> int:
                 Path(args.ready).touch()
             print(f"shmcache hold: holding namespace {config.namespace!r}", flush=True)
             while not stop.wait(CHECK_S):
-                cache.stats()  # CacheClosed once the namespace was destroyed under it
+                try:
+                    cache.stats()
+                except CacheClosed as exc:
+                    said = f"namespace {config.namespace!r} was destroyed under it ({exc})"
+                    print(f"shmcache hold: {said}", file=sys.stderr)
+                    return 1
     except (ShmCacheError, OSError) as exc:  # OSError: --ready in a folder that does not exist
         print(f"shmcache hold: {exc}", file=sys.stderr)
         return 1

@@ -38,8 +38,8 @@ CHILD_SETUP_S: Final = 60.0  # the child's set-up is killed after this (Mooncake
 POLL_S: Final = 0.05  # how often a running child is looked at (its end, or our close)
 
 # The child: the same set-up as `_set_up`'s, with no segment and no buffer of its own; exit 0 if
-# it succeeded. argv: "master" host:port segment_bytes buffer_bytes protocol master, or
-# "holder" buffer_bytes probe_buffer holder.
+# it succeeded. argv: "master" local_host:port protocol master, or "holder" buffer_bytes
+# probe_buffer holder.
 _CHILD: Final = """
 import sys
 from mooncake.store import MooncakeDistributedStore

@@ -5,15 +5,20 @@ rows: `interpolate_pos_encoding=True`, a per-item attention mask, a scale. Each 
 therefore covers a digest of the call's other arguments (and of the item's own rows of per-item
 arguments): the same rows called otherwise are another key, never a false hit. Tensors and arrays
 are digested by dtype, shape and contents; None, bools, numbers, strings and bytes by value;
-lists, tuples and dicts by their items. Anything else cannot be digested exactly (a repr may
-leave state out): `call_context` answers None, and the hook runs such a call without the cache.
+dtypes, devices and enum members by their repr (which names them whole); lists, tuples and dicts
+by their items. Anything else cannot be digested exactly (a repr may leave state out):
+`call_context` answers None, and the hook runs such a call without the cache.
 """
 
 from __future__ import annotations
 
+import enum
 import hashlib
+import sys
 from collections.abc import Mapping
 from typing import Any
+
+import numpy as np
 
 from shmcache.errors import ShmCacheError
 from shmcache.keys.dtypes import tensor_bytes
@@ -48,9 +53,17 @@ def opaque(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
     return ""
 
 
+def _named_whole(value: Any) -> bool:
+    """A value its repr names whole: an enum member, a numpy dtype, a torch dtype or device."""
+    if isinstance(value, enum.Enum | np.dtype):
+        return True
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.dtype | torch.device)
+
+
 def _feed(digest: Any, value: Any) -> None:
-    if value is None or isinstance(value, bool | int | float | str | bytes):
-        digest.update(f"{type(value).__name__}:{value!r};".encode())
+    if value is None or isinstance(value, bool | int | float | str | bytes) or _named_whole(value):
+        digest.update(f"{type(value).__qualname__}:{value!r};".encode())
     elif isinstance(value, list | tuple):
         digest.update(f"{type(value).__name__}[{len(value)}](".encode())
         for item in value:

@@ -57,7 +57,8 @@ def _opaque_warning(kind: str) -> None:
         _opaque_warned.set()
         log.warning(
             "shmcache: encoder calls with an argument of type %s run without the cache (only tensors, "
-            "arrays, numbers, strings, None and lists, tuples and dicts of them can be in a key)",
+            "arrays, numbers, strings, None, dtypes, devices, enum members and lists, tuples and dicts "
+            "of them can be in a key)",
             kind,
         )
 
