@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shmcache import CacheConfig, EmbeddingCache, destroy_namespace
+from shmcache import CacheConfig, EmbeddingCache, RemoteUnavailable, destroy_namespace
 from shmcache.remote.answers import MASTER_GONE, OBJECT_NOT_FOUND
 from shmcache.remote.store import RemoteStore
 from shmcache.testing import MooncakeMaster
@@ -115,6 +115,32 @@ def test_closing_on_a_hung_master_asks_it_once_and_does_not_wait_on_it(
     finally:
         os.kill(shmcache_mooncake.process.pid, signal.SIGCONT)
     assert took < 10, took
+
+
+def test_an_open_against_a_hung_master_does_not_wait_on_it(
+    shmcache_mooncake: MooncakeMaster, shmcache_namespace: str
+) -> None:
+    """A stopped master accepts connections (the kernel does) and answers nothing: Mooncake's
+    set-up waited 30 s on it, holding the GIL, in every open. The open now asks it for an answer
+    first (bounded by remote_timeout_s): degrade opens node-local at once and picks the master up
+    when it runs again; strict fails at once with the typed error."""
+    config = remote_config(shmcache_namespace, shmcache_mooncake.address, remote_timeout_s=0.5)
+    os.kill(shmcache_mooncake.process.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with pytest.raises(RemoteUnavailable, match=r"did not answer in 0\.5 s"):
+            EmbeddingCache(dataclasses.replace(config, store_unavailable_mode="strict"))
+        refused = time.monotonic() - started
+        started = time.monotonic()
+        cache = EmbeddingCache(config)
+        opened = time.monotonic() - started
+    finally:
+        os.kill(shmcache_mooncake.process.pid, signal.SIGCONT)
+    with cache:
+        assert not _available(cache) and cache.stats()["remote_outages"] == 1
+        assert _value(cache, "x") == fingerprint(expected_value("x"))
+        wait_for(lambda: _available(cache), timeout=60, what="the master to be picked up")
+    assert refused < 5 and opened < 5, (refused, opened)  # each was 30 s
 
 
 def _set_up_children() -> list[int]:

@@ -6,14 +6,19 @@ accepts connections but does not answer (a stopped process). Every thread of the
 still meanwhile (measured: with the master down at open, the outage prober's retries froze the
 process for 22 s of 30). So a set-up is tried only after cheaper answers:
 
-- a TCP connect to the address the set-up talks to (the master, or the node's holder), bounded by
-  `remote_timeout_s` and without the GIL: a closed port or a silent host answers in milliseconds;
+- a TCP connect to the address the set-up talks to (the master, or the node's holder), then a few
+  bytes that are no RPC request, each bounded by `remote_timeout_s` and without the GIL. A closed
+  port or a silent host fails the connect in milliseconds. Mooncake's RPC server (coro_rpc)
+  closes a connection whose first byte is not its header's magic, at once (0.2 to 0.5 ms measured,
+  master and holder alike); a stopped or hung process accepts the connection (the kernel does)
+  but never closes it, so silence for `remote_timeout_s` tells it apart. Before this answer was
+  asked for, such a master cost the open Mooncake's 30 s;
 - the outage prober (`health.py`) then runs the very same set-up in a child process, killed after
   `CHILD_SETUP_S` or when the store closes, and sets this process's client up only once the
-  child's set-up succeeded (a master that stops answering in between still costs one stall);
-- the open skips the child (it would add a set-up's ~1 s to every open): a master that accepts
-  connections but does not answer costs the open up to 30 s, the one wait that `remote_timeout_s`
-  does not bound.
+  child's set-up succeeded;
+- the open skips the child (it would add a set-up's ~1 s to every open). A master that answers the
+  probe and stops answering right after (stopped between the two) still costs the open, or the
+  prober's set-up after its child's, one stall of up to 30 s.
 
 A set-up that finishes after `close` (the prober's, while the store closes) closes the client it
 made instead of handing it over.
@@ -36,6 +41,7 @@ __all__ = ["Connection", "free_port"]
 PROBE_BUFFER: Final = 1 << 20  # a thin client's local buffer: the recovery probe's 1-byte put
 CHILD_SETUP_S: Final = 60.0  # the child's set-up is killed after this (Mooncake's own wait is 30 s)
 POLL_S: Final = 0.05  # how often a running child is looked at (its end, or our close)
+NOT_A_REQUEST: Final = bytes(32)  # the probe's bytes: 0 is not coro_rpc's magic, so it closes at once
 
 # The child: the same set-up as `_set_up`'s, with no segment and no buffer of its own; exit 0 if
 # it succeeded. argv: "master" local_host:port protocol master, or "holder" buffer_bytes
@@ -92,12 +98,22 @@ class Connection:
             self._closed = True
 
     def _refused(self) -> str | None:
-        """Why a TCP connection to the set-up's address fails within `remote_timeout_s`, or None."""
+        """Why the set-up's address does not answer (a TCP connection, then `NOT_A_REQUEST`: its
+        close, a reset or any bytes are an answer) within `remote_timeout_s` each, or None."""
         host, _, port = self._address.rpartition(":")
+        timeout = self._config.remote_timeout_s
         try:
-            socket.create_connection((host, int(port)), timeout=self._config.remote_timeout_s).close()
+            probe = socket.create_connection((host, int(port)), timeout=timeout)
         except (OSError, ValueError) as exc:
             return f"{self._target} does not accept connections ({exc})"
+        with probe:
+            try:
+                probe.sendall(NOT_A_REQUEST)
+                probe.recv(1)
+            except TimeoutError:
+                return f"{self._target} accepted a connection but did not answer in {timeout} s"
+            except OSError:  # reset: a running process answered
+                pass
         return None
 
     def _child_fails(self) -> str | None:
