@@ -9,6 +9,7 @@ import dataclasses
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 import uuid
@@ -20,6 +21,7 @@ import pytest
 
 from shmcache import CacheConfig, EmbeddingCache, RemoteUnavailable, destroy_namespace
 from shmcache.remote.answers import MASTER_GONE, OBJECT_NOT_FOUND
+from shmcache.remote.connection import free_port
 from shmcache.remote.store import RemoteStore
 from shmcache.testing import MooncakeMaster
 from tests import workers
@@ -154,21 +156,46 @@ def _set_up_children() -> list[int]:
     return pids
 
 
-def test_the_probers_child_set_up_goes_with_the_close(shmcache_namespace: str) -> None:
-    """Down at open, then back but hung: the prober's set-up in a child process waits on it
-    (Mooncake: 30 s). The close ends that child; before, it outlived the close by up to 30 s."""
-    master = MooncakeMaster()
-    master.kill()
+@contextlib.contextmanager
+def _answers_only_the_probe(port: int) -> Iterator[None]:
+    """On 127.0.0.1:`port`, a master stopped right after it answered `Connection`'s probe: it
+    closes a connection whose first byte is 0 (the probe's, as Mooncake's RPC server does) and
+    never answers anything else."""
+    server, stop, held = socket.create_server(("127.0.0.1", port)), threading.Event(), []
+    server.settimeout(0.05)
+
+    def serve() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                conn, _ = server.accept()
+                conn.settimeout(1.0)
+                with contextlib.suppress(OSError):
+                    if conn.recv(1) == b"\0":
+                        conn.close()
+                        continue
+                held.append(conn)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
     try:
-        cache = EmbeddingCache(remote_config(shmcache_namespace, master.address))
-        master.restart()
-        os.kill(master.process.pid, signal.SIGSTOP)
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        for conn in [*held, server]:
+            conn.close()
+
+
+def test_the_probers_child_set_up_goes_with_the_close(shmcache_namespace: str) -> None:
+    """Down at open, then back, answering the probe but not the set-up: the prober's set-up in a
+    child process waits on it (Mooncake: 30 s). The close ends that child; before, it outlived
+    the close by up to 30 s."""
+    port = free_port()
+    cache = EmbeddingCache(remote_config(shmcache_namespace, f"127.0.0.1:{port}"))
+    with _answers_only_the_probe(port):
         wait_for(lambda: bool(_set_up_children()), timeout=30, what="the prober's child set-up")
         cache.close()
         assert _set_up_children() == []
-    finally:
-        os.kill(master.process.pid, signal.SIGCONT)
-        master.kill()
 
 
 def test_a_master_down_at_open_is_picked_up_when_it_starts_and_never_stalls_the_process(
