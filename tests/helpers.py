@@ -10,6 +10,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from types import CodeType, FrameType
 from typing import Any
 
@@ -79,6 +80,11 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 30.0, what: str = "
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.01)
+
+
+def stopped(pid: int) -> bool:
+    """Process `pid` is stopped (SIGSTOP: state T in /proc)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
 
 
 def longest_stall(seconds: float) -> float:

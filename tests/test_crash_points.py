@@ -8,6 +8,8 @@ the leak check of conftest.py then proves that nothing is left in /dev/shm or th
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,7 @@ from shmcache import CacheConfig, EmbeddingCache
 from shmcache.node.audit import audit
 from shmcache.node.crashpoints import CRASH_POINTS, CrashRow, Survivor
 from tests import workers
-from tests.helpers import kill, spawn, wait_for
+from tests.helpers import kill, spawn, stopped, wait_for
 from tests.workers import expected_value, fingerprint, key_of
 
 CASES = [
@@ -90,3 +92,29 @@ def test_a_retire_killed_while_another_waits_for_the_node_lock_is_replayed(
         assert stats["corrupt_records"] == 0 and stats["repairs"] >= 1
         assert stats["puts"] == 2 and stats["clients"] == 1  # the victim's put counted once
         assert audit(cache._node) == []
+
+
+@pytest.mark.parametrize("end", ["continued", "killed"])
+def test_counters_read_during_a_retire_count_its_client_once(config: CacheConfig, end: str) -> None:
+    """Stats and metrics read the counters without a lock. Caught inside a retire (the leaving
+    client's counters folded into the retired totals, its record not zeroed yet), a read counted
+    that client twice (puts 6 for 3), and a Prometheus counter that then went back down read as
+    a reset. Now reads wait for the retire, or read through its journal when it does not end."""
+    with EmbeddingCache(config) as cache:
+        names = ["r1", "r2", "r3"]
+        retiring = spawn(workers.stop_retiring, config, names)
+        try:
+            wait_for(lambda: stopped(retiring.pid), what="the retirer to stop inside its retire")
+            assert cache.stats()["puts"] == 3  # read through the journal (6 before)
+            if end == "continued":
+                os.kill(retiring.pid, signal.SIGCONT)
+                retiring.join(30)
+                assert retiring.exitcode == 0
+            else:
+                kill(retiring)
+                assert cache.stats()["puts"] == 3  # a retire killed inside: the same journal
+                cache.gc()  # takes the node section: the journal is replayed, the sequence ends
+        finally:
+            kill(retiring)
+        assert cache._node.native.retire_seq(False) % 2 == 0
+        assert cache.stats()["puts"] == 3 and cache.stats()["clients"] == 1

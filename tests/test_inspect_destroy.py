@@ -16,7 +16,7 @@ import pytest
 
 from shmcache import CacheConfig, EmbeddingCache, ShmCacheError
 from shmcache.kernel.namespace import destroy_namespace
-from tests.helpers import finished, running, wait_for
+from tests.helpers import finished, running, stopped, wait_for
 from tests.test_inspect import run_inspect
 from tests.workers import expected_value, key_of
 
@@ -48,10 +48,6 @@ def create_stopping_inside(config: CacheConfig, result: str, go: str) -> None:
             Path(result).write_text(f"{type(exc).__name__}: {exc}")
 
 
-def _stopped(pid: int) -> bool:
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
-
-
 def test_destroy_leaves_a_namespace_being_created(shmcache_config: CacheConfig, tmp_path: Path) -> None:
     """Caught between its header and its arena, a namespace read as stale (no client yet):
     `destroy` without --force waited for the creator's lock, then removed it under the engine
@@ -61,7 +57,7 @@ def test_destroy_leaves_a_namespace_being_created(shmcache_config: CacheConfig, 
     with running(create_stopping_inside, shmcache_config, str(result), str(go)) as creator:
         assert creator.pid is not None
         pid = creator.pid
-        wait_for(lambda: _stopped(pid), what="the creator to stop inside the creation")
+        wait_for(lambda: stopped(pid), what="the creator to stop inside the creation")
         command = [sys.executable, "-m", "shmcache", "inspect", "destroy", shmcache_config.namespace]
         destroy = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         with contextlib.suppress(subprocess.TimeoutExpired):  # it refuses, or polls the lock (10 s)
@@ -84,7 +80,7 @@ def test_whether_a_process_is_attached_is_decided_under_the_bootstrap_lock(
     with running(create_stopping_inside, shmcache_config, str(result), str(go)) as creator:
         pid = creator.pid
         assert pid is not None
-        wait_for(lambda: _stopped(pid), what="the creator to stop inside the creation")
+        wait_for(lambda: stopped(pid), what="the creator to stop inside the creation")
         name = shmcache_config.namespace
         destroy = threading.Thread(
             target=lambda: answers.append(destroy_namespace(name, unless_attached=True))

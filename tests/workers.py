@@ -150,6 +150,18 @@ def die_retiring_while_another_waits(config: CacheConfig, name: str, ready: str)
         node.counters.retire(node.client, node.clients.clear)
 
 
+def stop_retiring(config: CacheConfig, names: list[str]) -> None:
+    """Put each of `names`, then close with crash point `retiring-client` armed to stop: the
+    process stops (SIGSTOP) inside its retire, its counters folded into the retired totals and
+    its record not zeroed yet, holding the node section."""
+    from shmcache.node import crashpoints
+
+    crashpoints.arm(crashpoints.CrashPoint.RETIRING_CLIENT, stop=True)
+    with EmbeddingCache(config) as cache:
+        for name in names:
+            cache.put(key_of(name), expected_value(name))
+
+
 def crash_at(config: CacheConfig, point: str) -> None:
     """Arm crash point `point`, then run a workload that passes every point of the table: attach
     (create, reap), put, a pinned get, cleanup, close. Returns only if `point` was never reached."""

@@ -333,7 +333,7 @@ class NodeIndex:
 
     def totals(self) -> dict[str, int]:
         """Node-wide counters: claimed clients' records plus the retired totals."""
-        return self.counters.totals(self.clients.claimed())
+        return self.counters.totals(self.clients.claimed)
 
     def check_header(self) -> None:
         """Raise `CorruptSegment` if the header lost its magic (overwritten index)."""

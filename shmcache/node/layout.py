@@ -105,9 +105,11 @@ H_READY: Final = 12  # u32, set to 1 when every object of the namespace exists, 
 DESTROYED: Final = 2
 H_NODE_HELD: Final = 68  # u32, the node lock's held marker
 H_JOURNAL_ROW: Final = 72  # i32, the client row being retired, -1 when none
+H_RETIRE_SEQ: Final = 80  # u64, odd while a retire folds a client's counters in (native.c, point 8)
 H_RETIRED: Final = 128  # u64 x N_COUNTERS: counters of clients that left
 H_JOURNAL: Final = H_RETIRED + 8 * N_COUNTERS  # u64 x N_COUNTERS: the retired totals before a retire
-assert _HEADER.size <= H_RETIRED and H_JOURNAL + 8 * N_COUNTERS <= HEADER_SIZE
+assert _HEADER.size <= H_RETIRE_SEQ and H_RETIRE_SEQ + 8 <= H_RETIRED
+assert H_JOURNAL + 8 * N_COUNTERS <= HEADER_SIZE
 
 
 @dataclass(frozen=True)
@@ -208,7 +210,7 @@ assert (_native.COUNTER_HITS_PROCESS, _native.COUNTER_HITS_NODE, _native.COUNTER
     Counter.HITS_NODE,
     Counter.MISSES,
 )
-assert (_native.H_READY, _native.DESTROYED) == (H_READY, DESTROYED)
+assert (_native.H_READY, _native.DESTROYED, _native.H_RETIRE_SEQ) == (H_READY, DESTROYED, H_RETIRE_SEQ)
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,8 @@
  *    for (x86-64, aarch64); they go through __atomic builtins with relaxed order so the compiler
  *    neither tears nor caches them.
  * 5. Counters.  Each process adds only to its own client record (__atomic_fetch_add, relaxed);
- *    readers sum every record (counters.py).
+ *    readers sum every record (counters.py), between two equal even reads of the retire
+ *    sequence (point 8).
  * 6. Blocking.  A contended lock is waited for with the GIL released (pthread_mutex_clocklock on
  *    CLOCK_MONOTONIC in 50 ms slices, so a signal is seen, up to the lock timeout; the message
  *    names the pid in the held marker); everything else runs with the GIL held and never blocks.
@@ -69,6 +70,17 @@
  *    extents only make it more careful, because a gap starts at the running maximum of the ends
  *    seen so far (`first_fit`), so no live extent is ever handed out.  `evictable` reads the same
  *    way; the evictor re-reads each candidate under its stripe lock before it frees anything.
+ * 8. The retire sequence (a seqlock).  Folding a leaving client's counters into the retired
+ *    totals and zeroing its record (counters.py, under the node section) are many stores; a
+ *    lock-free reader summing between them would count that client twice or not at all, and a
+ *    Prometheus counter that goes down reads as a reset.  The retirer makes the u64 at
+ *    H_RETIRE_SEQ odd (`retire_begin`: a relaxed store, then a release fence, so it is seen
+ *    before any store of the fold), and even again when done (`retire_end`: a release store,
+ *    seen after every store of the fold).  A reader loads it with acquire (`retire_seq`), sums,
+ *    then loads it again after an acquire fence (`retire_seq(True)`): the sum is kept only if
+ *    both loads gave the same even value.  A retire that died inside leaves it odd until the
+ *    next node-section holder replays the journal and ends it; meanwhile readers read through
+ *    the journal (counters.py).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -92,6 +104,7 @@
 #define STRIPE_SIZE 8
 #define LOCK_SIZE 64 /* one process-shared robust mutex, padded to a cache line */
 #define H_READY 12 /* the header's u32 `ready`: 1 ready, DESTROYED once destroy_namespace removed it */
+#define H_RETIRE_SEQ 80 /* the header's u64 retire sequence (point 8) */
 #define DESTROYED 2
 #define CLIENT_HEAD_SIZE 512
 #define C_COUNTERS 64
@@ -1529,6 +1542,47 @@ static PyObject *Index_pins_spare(Index *ix, PyObject *Py_UNUSED(ignored)) {
     return PyLong_FromSsize_t(ix->free_top);
 }
 
+/* The retire sequence (point 8). */
+static uint64_t *retire_sequence(Index *ix) { return (uint64_t *)(ix->base + H_RETIRE_SEQ); }
+
+static PyObject *Index_retire_begin(Index *ix, PyObject *Py_UNUSED(ignored)) {
+    if (check_ready(ix) < 0) {
+        return NULL;
+    }
+    uint64_t seq = __atomic_load_n(retire_sequence(ix), __ATOMIC_RELAXED);
+    if ((seq & 1) == 0) { /* odd already: a retire that died inside, being redone */
+        __atomic_store_n(retire_sequence(ix), seq + 1, __ATOMIC_RELAXED);
+    }
+    __atomic_thread_fence(__ATOMIC_RELEASE);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Index_retire_end(Index *ix, PyObject *Py_UNUSED(ignored)) {
+    if (check_ready(ix) < 0) {
+        return NULL;
+    }
+    uint64_t seq = __atomic_load_n(retire_sequence(ix), __ATOMIC_RELAXED);
+    if (seq & 1) {
+        __atomic_store_n(retire_sequence(ix), seq + 1, __ATOMIC_RELEASE);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *Index_retire_seq(Index *ix, PyObject *again) {
+    if (check_ready(ix) < 0) {
+        return NULL;
+    }
+    int after_reads = PyObject_IsTrue(again);
+    if (after_reads < 0) {
+        return NULL;
+    }
+    if (after_reads) {
+        __atomic_thread_fence(__ATOMIC_ACQUIRE); /* the sum's loads come before this one */
+        return PyLong_FromUnsignedLongLong(__atomic_load_n(retire_sequence(ix), __ATOMIC_RELAXED));
+    }
+    return PyLong_FromUnsignedLongLong(__atomic_load_n(retire_sequence(ix), __ATOMIC_ACQUIRE));
+}
+
 static PyObject *Index_count(Index *ix, PyObject *const *args, Py_ssize_t nargs) {
     int counter;
     uint64_t n;
@@ -1684,6 +1738,12 @@ static PyMethodDef Index_methods[] = {
     {"pins_held", (PyCFunction)Index_pins_held, METH_NOARGS, "pins_held(): {(slot, gen): count}."},
     {"pins_spare", (PyCFunction)Index_pins_spare, METH_NOARGS, "pins_spare(): free pin records."},
     {"count", (PyCFunction)(void (*)(void))Index_count, METH_FASTCALL, "count(counter, n): add to our counter."},
+    {"retire_begin", (PyCFunction)Index_retire_begin, METH_NOARGS,
+     "retire_begin(): make the retire sequence odd (node section held; point 8)."},
+    {"retire_end", (PyCFunction)Index_retire_end, METH_NOARGS,
+     "retire_end(): make an odd retire sequence even (node section held; point 8)."},
+    {"retire_seq", (PyCFunction)Index_retire_seq, METH_O,
+     "retire_seq(again): the retire sequence; `again`: read after the reads it guards (point 8)."},
     {"gap", (PyCFunction)(void (*)(void))Index_gap, METH_FASTCALL,
      "gap(need, capacity): the lowest offset of `need` free bytes (node section held; rule 7), None if none."},
     {"stripe_look", (PyCFunction)(void (*)(void))Index_stripe_look, METH_FASTCALL,
@@ -1803,6 +1863,7 @@ PyMODINIT_FUNC PyInit__native(void) {
         PyModule_AddIntConstant(m, "STRIPE_SIZE", STRIPE_SIZE) < 0 ||
         PyModule_AddIntConstant(m, "LOCK_SIZE", LOCK_SIZE) < 0 ||
         PyModule_AddIntConstant(m, "H_READY", H_READY) < 0 || PyModule_AddIntConstant(m, "DESTROYED", DESTROYED) < 0 ||
+        PyModule_AddIntConstant(m, "H_RETIRE_SEQ", H_RETIRE_SEQ) < 0 ||
         PyModule_AddIntConstant(m, "CLIENT_HEAD_SIZE", CLIENT_HEAD_SIZE) < 0 ||
         PyModule_AddIntConstant(m, "C_COUNTERS", C_COUNTERS) < 0 ||
         PyModule_AddIntConstant(m, "PIN_SIZE", PIN_SIZE) < 0 ||

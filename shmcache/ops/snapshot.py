@@ -248,7 +248,7 @@ class _Index:
 
     def stats(self) -> dict[str, int]:
         """The node-wide counter totals, with the slot table's occupancy and the live clients."""
-        stats = self.counters.totals(self.clients.claimed())
+        stats = self.counters.totals(self.clients.claimed)
         stats.update(occupancy(self.slots, self.attachments), clients=int(self.client_alive.sum()))
         return stats
 
