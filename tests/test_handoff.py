@@ -8,9 +8,7 @@ import pickle
 import time
 from pathlib import Path
 
-import pytest
-
-from shmcache import CacheClosed, CacheConfig, EmbeddingCache, ReservationTicket
+from shmcache import CacheConfig, EmbeddingCache, ReservationTicket
 from tests import workers
 from tests.helpers import finished, kill, running, spawn, wait_for
 from tests.workers import expected_value, fingerprint, key_of
@@ -211,29 +209,3 @@ def test_close_leaves_a_reservation_in_use_to_its_holder_and_withdraws_one_dropp
         assert fingerprint(other.get(key_of("c"))) == fingerprint(expected_value("c"))  # type: ignore[arg-type]
         del value, view
         closing.flush_releases()  # the last view gone: the closed cache detaches
-
-
-def test_the_detach_withdraws_the_reservations_still_held(config: CacheConfig) -> None:
-    """A reservation still held when its process detaches (closed with no live view) can never be
-    committed: before, it kept its key reserved for the whole node until the process exited, and
-    every other process waited `compute_timeout_s` for it, then got `ComputeTimeout`. A commit
-    after the detach raised a misleading `ReservationLost` ("taken over")."""
-    with EmbeddingCache(config) as other:
-        closing = EmbeddingCache(config)
-        in_use, dropped = closing.try_reserve(key_of("c")), closing.try_reserve(key_of("d"))
-        assert in_use is not None and in_use.owned and dropped is not None and dropped.owned
-        closing.close()  # no live view: it detaches now
-        again = other.try_reserve(key_of("c"))
-        assert again is not None and again.owned  # withdrawn by the detach
-        with pytest.raises(CacheClosed, match="closed and detached"):
-            in_use.commit(expected_value("c"))
-        in_use.abandon()  # ended already: nothing to give up, and `again` keeps its hold
-        assert other._node.reservations.owner_alive(again.slot)
-        value = again.commit(expected_value("c"))
-        assert fingerprint(value) == fingerprint(expected_value("c"))
-        del dropped  # its deferred withdraw finds nothing to do (the release thread is gone)
-        later = other.try_reserve(key_of("d"))
-        assert later is not None and later.owned
-        later.withdraw()
-        assert other.stats()["compute_failures"] == 0  # the detach withdrew: no failure reported
-        del value

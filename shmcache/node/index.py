@@ -73,8 +73,9 @@ class NodeIndex:
             self.slots, self.sections, self.counters, self.capacity, self.reservations.owner_alive
         )
         self.client = -1
-        # releases the process's dead views' pins at once (arena full, pin records all taken); True if any
-        self.reclaim: Callable[[], bool] = lambda: False
+        self.reclaim: Callable[[], bool] = lambda: False  # the process's dead views' pins, released
+        # at once when the arena is full or the pin records are all taken (process/releases.py);
+        # True if any were
 
     # ------------------------------------------------------------------ attach and detach
     def attach(self) -> None:
@@ -90,10 +91,7 @@ class NodeIndex:
             self.repairs.reap_dead()
 
     def detach(self) -> None:
-        """Withdraw our reservations left unended (nothing can commit them now: their waiters look
-        again), release our pins, fold our counters, free our record."""
-        for slot, gen in self.reservations.held().items():
-            self.abandon(slot, gen, FailureKind.NONE, "its process detached")
+        """Release every pin of this client, fold its counters, free its record."""
         self.release([entry for entry, count in self.pins.held().items() for _ in range(count)])
         with self.sections.node():
             self.native.bind(-1)
@@ -133,6 +131,9 @@ class NodeIndex:
     def wait(self, slot: int, timeout: float) -> None:
         """Block until slot's reservation ends or its owner dies (`SemaphoreTimeout`)."""
         self.reservations.wait(slot, timeout)
+
+    def failure(self, slot: int, gen: int) -> tuple[FailureKind, str] | None:
+        return self.slots.failure(slot, gen)
 
     def commit(self, slot: int, gen: int, nbytes: int, write: Writer, pins: int) -> SealedEntry:
         """Store a value for our reservation (slot, gen): `allocate`, `write(offset, size)` the entry

@@ -310,9 +310,9 @@ class EmbeddingCache:
 
     def close(self) -> None:
         """Release this process's references and detach; the last process to detach removes the
-        namespace. Reservations dropped unended are withdrawn here, one still referenced (a thread
-        may be computing it) at the detach. Views still alive keep their pins until garbage
-        collected (or the interpreter exits), and the detach waits for that."""
+        namespace. Reservations dropped unended are withdrawn here; one still referenced is its
+        holder's to end (a thread may be computing it). Views still alive keep their pins until
+        they are garbage collected (or the interpreter exits), and the detach waits for that."""
         if not self._enabled or self._closed or _forked_since(self._forks):
             self._closed = True
             return

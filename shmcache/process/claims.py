@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator, Sequence
 
 from shmcache.config import CacheConfig
-from shmcache.errors import CacheClosed, CapacityError, ComputeReentered, InvalidKey
+from shmcache.errors import CapacityError, ComputeReentered, InvalidKey
 from shmcache.format import entry, values
 from shmcache.format.values import Value
 from shmcache.gpu.side import DeviceSide
@@ -228,11 +228,7 @@ class Claims:
     # ------------------------------------------------------------------ ReservationHolder
     def commit(self, reservation: Reservation, value: Value, *, view: bool) -> Value:
         """Store `value` for `reservation` and seal it; the cached view when `view`, else `value`.
-        A value that cannot be stored raises `CapacityError` (counted as uncacheable); after this
-        process detached (the cache closed, its last view gone), `CacheClosed`: the detach
-        withdrew the reservation."""
-        if self._node.client < 0:
-            raise CacheClosed(f"{reservation.key!r}: the cache was closed and detached before this commit")
+        A value that cannot be stored raises `CapacityError` (counted as uncacheable)."""
         node, key, slot, gen = self._node, reservation.key, reservation.slot, reservation.gen
         request_id = reservation.request_id
         try:

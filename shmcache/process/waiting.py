@@ -37,7 +37,7 @@ def failed_uncacheable(node: NodeIndex, key: EmbeddingCacheKey, slot: int, gen: 
     """After the reservation (slot, gen) we waited on ended: True if its value could not be
     stored (we compute it ourselves, uncached), `ComputeFailed` if its compute failed, False
     otherwise (look again)."""
-    failure = node.slots.failure(slot, gen)
+    failure = node.failure(slot, gen)
     if failure is None:
         return False
     kind, message = failure
