@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from shmcache import CacheConfig, EmbeddingCache
+from shmcache.node import counters
 from shmcache.node.audit import audit
 from shmcache.node.crashpoints import CRASH_POINTS, CrashRow, Survivor
 from tests import workers
@@ -94,8 +97,10 @@ def test_a_retire_killed_while_another_waits_for_the_node_lock_is_replayed(
         assert audit(cache._node) == []
 
 
-@pytest.mark.parametrize("end", ["continued", "killed"])
-def test_counters_read_during_a_retire_count_its_client_once(config: CacheConfig, end: str) -> None:
+@pytest.mark.parametrize("end", ["continued", "killed", "waited for"])
+def test_counters_read_during_a_retire_count_its_client_once(
+    config: CacheConfig, end: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Stats and metrics read the counters without a lock. Caught inside a retire (the leaving
     client's counters folded into the retired totals, its record not zeroed yet), a read counted
     that client twice (puts 6 for 3), and a Prometheus counter that then went back down read as
@@ -105,7 +110,19 @@ def test_counters_read_during_a_retire_count_its_client_once(config: CacheConfig
         retiring = spawn(workers.stop_retiring, config, names)
         try:
             wait_for(lambda: stopped(retiring.pid), what="the retirer to stop inside its retire")
-            assert cache.stats()["puts"] == 3  # read through the journal (6 before)
+            if end == "waited for":  # the sequence path: a read that waits out the retire
+                monkeypatch.setattr(counters, "RETIRE_WAIT_S", 60.0)  # no journal read
+                read: list[int] = []
+                reader = threading.Thread(target=lambda: read.append(cache.stats()["puts"]))
+                reader.start()
+                time.sleep(0.3)
+                assert reader.is_alive()  # it waits while the sequence is odd
+                os.kill(retiring.pid, signal.SIGCONT)
+                reader.join(30)
+                assert read == [3]
+                retiring.join(30)
+            else:
+                assert cache.stats()["puts"] == 3  # read through the journal (6 before)
             if end == "continued":
                 os.kill(retiring.pid, signal.SIGCONT)
                 retiring.join(30)

@@ -81,8 +81,10 @@ CRASH_POINTS: tuple[CrashRow, ...] = (
     CrashRow(
         CrashPoint.RETIRING_CLIENT,
         "retiring a client record (folding its counters into the retired totals)",
-        "totals folded partly or not at all, the journal row set, the node held marker set",
-        "the next node-lock holder restores the totals from the journal and redoes the retire",
+        "totals folded partly or not at all, the journal row set, the node held marker set, the "
+        "retire sequence odd (readers read through the journal meanwhile)",
+        "the next node-lock holder restores the totals from the journal, redoes the retire and "
+        "ends the retire sequence",
         evidence=Counter.REPAIRS,
     ),
     CrashRow(
