@@ -211,7 +211,7 @@ def test_a_fenced_off_owner_releases_its_reservation(config: CacheConfig) -> Non
         node.slots.array["offset"][slot] = 64  # damage the record: the next section quarantines it
         with pytest.raises(ReservationLost):
             res.commit(expected_value("fenced", 16))
-        assert node.reservations.held() == set()  # the semaphore was released, not kept by a live owner
+        assert node.reservations.held() == {}  # the semaphore was released, not kept by a live owner
         t0 = time.monotonic()
         value = cache.get_or_compute(key_of("fenced"), lambda: expected_value("fenced", 16))
         assert fingerprint(value) == fingerprint(expected_value("fenced", 16))

@@ -4,13 +4,18 @@ computes in its worker process): real processes, and SIGKILL on either side of t
 from __future__ import annotations
 
 import dataclasses
+import os
 import pickle
+import signal
+import threading
 import time
 from pathlib import Path
 
-from shmcache import CacheConfig, EmbeddingCache, ReservationTicket
+import pytest
+
+from shmcache import CacheClosed, CacheConfig, EmbeddingCache, ReservationTicket
 from tests import workers
-from tests.helpers import finished, kill, running, spawn, wait_for
+from tests.helpers import finished, kill, running, spawn, stopped, wait_for
 from tests.workers import expected_value, fingerprint, key_of
 
 
@@ -209,3 +214,64 @@ def test_close_leaves_a_reservation_in_use_to_its_holder_and_withdraws_one_dropp
         assert fingerprint(other.get(key_of("c"))) == fingerprint(expected_value("c"))  # type: ignore[arg-type]
         del value, view
         closing.flush_releases()  # the last view gone: the closed cache detaches
+
+
+def test_the_detach_withdraws_the_reservations_still_held(config: CacheConfig) -> None:
+    """A reservation still held when its process detaches (closed, no live view) can never be
+    committed: before, it kept its key reserved for the whole node until the process exited (every
+    other process waited `compute_timeout_s`, then `ComputeTimeout`), and a commit after the detach
+    raised a misleading `ReservationLost` ("taken over")."""
+    with EmbeddingCache(config) as other:
+        closing = EmbeddingCache(config)
+        in_use, dropped = closing.try_reserve(key_of("c")), closing.try_reserve(key_of("d"))
+        assert in_use is not None and in_use.owned and dropped is not None and dropped.owned
+        closing.close()  # no live view: it detaches now
+        again = other.try_reserve(key_of("c"))
+        assert again is not None and again.owned  # withdrawn by the detach
+        with pytest.raises(CacheClosed, match="detached"):
+            in_use.commit(expected_value("c"))
+        in_use.abandon()  # ended already: nothing to give up, and `again` keeps its hold
+        assert other.try_reserve(key_of("c")) is None
+        value = again.commit(expected_value("c"))
+        assert fingerprint(value) == fingerprint(expected_value("c"))
+        del dropped  # its deferred withdraw finds nothing to do (the release thread is gone)
+        later = other.try_reserve(key_of("d"))
+        assert later is not None and later.owned
+        later.withdraw()
+        assert other.stats()["compute_failures"] == 0  # the detach withdrew: no failure reported
+        del value
+
+
+def test_a_commit_running_when_the_detach_starts_lands(config: CacheConfig) -> None:
+    """The detach withdraws only reservations nothing writes into: it waits for a commit already
+    running (here held up in its allocation by a process stopped inside the node section), which
+    then lands; a withdraw under it (the reverted f3e60eb) freed its extent, and the commit raised
+    `ReservationLost` or, had the allocation come first, wrote into memory another key then got."""
+    with EmbeddingCache(config) as other:
+        closing = EmbeddingCache(config)
+        in_use, dropped = closing.try_reserve(key_of("c")), closing.try_reserve(key_of("d"))
+        assert in_use is not None and in_use.owned and dropped is not None and dropped.owned
+        retiring = spawn(workers.stop_retiring, config, ["x"])
+        try:
+            wait_for(lambda: stopped(retiring.pid), what="a process stopped holding the node section")
+            committed: list[object] = []
+            committer = threading.Thread(
+                target=lambda: committed.append(in_use.commit(expected_value("c"), view=False))
+            )
+            committer.start()
+            closer = threading.Thread(target=closing.close)
+            closer.start()
+            time.sleep(0.3)  # the commit waits for the node section, the detach for the commit
+            assert committer.is_alive() and closer.is_alive()
+            os.kill(retiring.pid, signal.SIGCONT)
+            committer.join(30)
+            closer.join(30)
+            retiring.join(30)
+        finally:
+            kill(retiring)
+        assert committed and fingerprint(committed[0]) == fingerprint(expected_value("c"))  # type: ignore[arg-type]
+        assert fingerprint(other.get(key_of("c"))) == fingerprint(expected_value("c"))  # type: ignore[arg-type]
+        later = other.try_reserve(key_of("d"))
+        assert later is not None and later.owned  # the one nothing wrote into was withdrawn
+        later.withdraw()
+        assert other.stats()["compute_failures"] == 0

@@ -79,10 +79,10 @@ class Reservations:
     def owner_pid(self, slot: int) -> int:
         return self._sems.last_pid(self._layout.slot_sem(slot))
 
-    def held(self) -> set[int]:
-        """The slots whose reservation semaphore this process holds."""
+    def held(self) -> dict[int, int]:
+        """The slots whose reservation semaphore this process holds, each with its generation."""
         with self._lock:
-            return set(self._held)
+            return dict(self._held)
 
     def _acquire(self, slot: int, gen: int) -> bool:
         """Take slot's semaphore without waiting, for reservation (slot, gen); remember it."""

@@ -108,9 +108,8 @@ class EmbeddingCache:
         _open.add(self)
         if config.remote_master is not None:
             try:
-                self._bridge = self._claims.bridge = RemoteBridge.open(
-                    config, node, segments.arena, self._views
-                )
+                bridge = RemoteBridge(config, node, segments.arena, self._views, self._claims.writes)
+                self._bridge = self._claims.bridge = bridge
             except BaseException:
                 self.close()
                 raise
@@ -310,9 +309,9 @@ class EmbeddingCache:
 
     def close(self) -> None:
         """Release this process's references and detach; the last process to detach removes the
-        namespace. Reservations dropped unended are withdrawn here; one still referenced is its
-        holder's to end (a thread may be computing it). Views still alive keep their pins until
-        they are garbage collected (or the interpreter exits), and the detach waits for that."""
+        namespace. Views still alive keep their pins until garbage collected (or the interpreter
+        exits), and the detach waits for that; it withdraws the reservations still held (their
+        waiters look again; a later `commit` raises `CacheClosed`)."""
         if not self._enabled or self._closed or _forked_since(self._forks):
             self._closed = True
             return
@@ -368,13 +367,14 @@ class EmbeddingCache:
             return
         self._closed = True
         _close_quietly(self._device)
-        self._detach()
+        self._detach(writes_wait_s=0.0)  # a daemon thread still writing ends with the process
 
-    def _detach(self) -> None:
+    def _detach(self, writes_wait_s: float | None = None) -> None:
         with self._detach_lock:
             if self._detached:
                 return
             self._releases.stop()
+            self._claims.withdraw_held(self.config.lock_timeout_s if writes_wait_s is None else writes_wait_s)
             self._attachment.detach()
             self._views.forget()
             self._detached = True

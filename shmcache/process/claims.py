@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import mmap
 import threading
 import time
@@ -30,9 +31,12 @@ from shmcache.process.releases import Releases
 from shmcache.process.requests import RequestRefs
 from shmcache.process.reservation import RequestId, Reservation, ReservationTicket
 from shmcache.process.views import Views
+from shmcache.process.writes import Writes
 from shmcache.remote.bridge import LOOK_AGAIN, RemoteBridge
 
 __all__ = ["Claims"]
+
+log = logging.getLogger("shmcache")
 
 
 class Claims:
@@ -51,6 +55,7 @@ class Claims:
         self._node, self._arena, self._config = node, arena, config
         self._views, self._device, self._requests, self._releases = views, device, requests, releases
         self.bridge: RemoteBridge | None = None  # set when a remote store is configured
+        self.writes = Writes()  # our writes into our reservations' extents (the bridge's too)
         self._computing = threading.local()  # `needles`: the keys this thread is computing
 
     @contextlib.contextmanager
@@ -228,7 +233,8 @@ class Claims:
     # ------------------------------------------------------------------ ReservationHolder
     def commit(self, reservation: Reservation, value: Value, *, view: bool) -> Value:
         """Store `value` for `reservation` and seal it; the cached view when `view`, else `value`.
-        A value that cannot be stored raises `CapacityError` (counted as uncacheable)."""
+        A value that cannot be stored raises `CapacityError` (counted as uncacheable); one after
+        this process detached, `CacheClosed` (the detach withdrew the reservation)."""
         node, key, slot, gen = self._node, reservation.key, reservation.slot, reservation.gen
         request_id = reservation.request_id
         try:
@@ -252,7 +258,8 @@ class Claims:
         sealed = None
         try:
             pins = self._views.commit_pins(request_id, view=view)
-            sealed = node.commit(slot, gen, entry.entry_size(encoded), write, pins)
+            with self.writes.writing(slot, gen):
+                sealed = node.commit(slot, gen, entry.entry_size(encoded), write, pins)
         except CapacityError:
             node.count(Counter.UNCACHEABLE)
             raise
@@ -283,6 +290,17 @@ class Claims:
 
     def dropped(self, slot: int, gen: int) -> None:
         self._releases.later(functools.partial(self._end, slot, gen, FailureKind.NONE, "dropped unended"))
+
+    def withdraw_held(self, wait_s: float) -> None:
+        """At the detach: shut writes into our reservations' extents (waiting up to `wait_s` for
+        those running), then withdraw each reservation we hold that nothing may still write (a
+        set-aside transfer's stays); their waiters look again instead of waiting for our exit."""
+        busy = self.writes.shut(wait_s) | (self.bridge.set_aside.still_written() if self.bridge else set())
+        for slot, gen in self._node.reservations.held().items() - busy:
+            try:  # a lock timeout: the semaphore is released anyway (waiters take over); go on
+                self._end(slot, gen, FailureKind.NONE, "its process detached")
+            except Exception as exc:
+                log.warning("shmcache: a withdraw at detach failed: %s", str(exc))
 
     def _end(self, slot: int, gen: int, kind: FailureKind, reason: str) -> None:
         """Abandon reservation (slot, gen) (fenced: not if another process adopted it or took it

@@ -44,6 +44,7 @@ from shmcache.node.layout import Counter, needle_of
 from shmcache.node.slots import SealedEntry
 from shmcache.process.reservation import Reservation
 from shmcache.process.views import Views
+from shmcache.process.writes import Writes
 from shmcache.remote import lease
 from shmcache.remote.answers import Transfer
 from shmcache.remote.setaside import SetAside
@@ -82,43 +83,24 @@ class RemoteBridge:
     """One process's link from its node index to the remote store."""
 
     def __init__(
-        self,
-        store: RemoteStore,
-        node: NodeIndex,
-        arena: mmap.mmap,
-        views: Views,
-        prefix: str,
-        *,
-        single_flight: bool = False,
-        lease_s: float = 300.0,
+        self, config: CacheConfig, node: NodeIndex, arena: mmap.mmap, views: Views, writes: Writes
     ) -> None:
-        self.store, self._node, self._arena, self._views, self._prefix = store, node, arena, views, prefix
+        """Connect to `config.remote_master` (`RemoteUnavailable` in strict mode if it is down)."""
+        assert config.remote_master is not None
+        self.store = store = RemoteStore(config, node.count)
+        self._node, self._arena, self._views, self._prefix = node, arena, views, config.remote_key_prefix
+        self._writes = writes  # our writes into node memory, which the detach shuts
         address = np.frombuffer(arena, dtype=np.uint8)
         self._arena_address, self._arena_bytes = int(address.ctypes.data), address.nbytes
         store.register(self._arena_address, self._arena_bytes)
         del address
         self._lock = threading.Lock()  # one staged pull at a time: they share the store's pull buffer
-        self._single_flight, self._lease_s = single_flight, lease_s
+        self._single_flight, self._lease_s = config.remote_single_flight, config.compute_timeout_s
         self._node_tag = lease.node_tag(node.segments.names.index)  # in our lease tokens
         self._leases: dict[tuple[int, int], lease.Lease] = {}  # by the (slot, gen) it covers
         self._leases_seen: dict[bytes, float] = {}  # other nodes' lease tokens: when first seen
         self._sizes = SizeGuesses()
         self.set_aside = SetAside(node)  # node memory our transfers may still write
-
-    @classmethod
-    def open(cls, config: CacheConfig, node: NodeIndex, arena: mmap.mmap, views: Views) -> RemoteBridge:
-        """Connect to `config.remote_master` (`RemoteUnavailable` in strict mode if it is down)."""
-        assert config.remote_master is not None
-        store = RemoteStore(config, node.count)
-        return cls(
-            store,
-            node,
-            arena,
-            views,
-            config.remote_key_prefix,
-            single_flight=config.remote_single_flight,
-            lease_s=config.compute_timeout_s,
-        )
 
     def close(self) -> None:
         """Finish queued publishes (they hold pins), then disconnect. After a failed transfer into
@@ -168,6 +150,11 @@ class RemoteBridge:
         guess: the extent is then cut to what arrived). It needs two spare pin records: one to
         deliver, one to set the extent aside if the transfer fails. A pull that brings no value
         gives the extent back; `NotInPlace` when another way may still bring it."""
+        with self._writes.writing(reservation.slot, reservation.gen):
+            return self._write_in_place(reservation, name, room)
+
+    def _write_in_place(self, reservation: Reservation, name: str, room: int) -> Pulled | NotInPlace:
+        """`_pull_in_place`'s writes into the reservation's extent, from its allocation to the seal."""
         node, slot, gen = self._node, reservation.slot, reservation.gen
         try:
             offset = node.allocate(slot, gen, room)
@@ -300,7 +287,8 @@ class RemoteBridge:
             entry.set_generation(arena.data, gen)
 
         try:
-            sealed = self._node.commit(slot, gen, data.nbytes, write, self._views.pins_for(request_id))
+            with self._writes.writing(slot, gen):
+                sealed = self._node.commit(slot, gen, data.nbytes, write, self._views.pins_for(request_id))
         except CapacityError:
             sealed = None
         if sealed is not None and not sealed.pinned:

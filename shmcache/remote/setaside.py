@@ -101,6 +101,11 @@ class SetAside:
             self.set_aside(unread)
         return any(kept is reservation for kept in self._kept)
 
+    def still_written(self) -> set[tuple[int, int]]:
+        """The reservations (slot, gen) a transfer may still write: kept reserved, or unread."""
+        held = list(self._kept) + [transfer.reservation for transfer in list(self._unread)]
+        return {(res.slot, res.gen) for res in held}
+
     def closing(self) -> bool:
         """From now on late calls leave their memory to the detach; True if calls may still
         write node memory (a transfer failed, or one is unread: interrupted twice, or running),
