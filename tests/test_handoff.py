@@ -255,13 +255,13 @@ def test_a_commit_running_when_the_detach_starts_lands(config: CacheConfig) -> N
         try:
             wait_for(lambda: stopped(retiring.pid), what="a process stopped holding the node section")
             committed: list[object] = []
-            committer = threading.Thread(
-                target=lambda: committed.append(in_use.commit(expected_value("c"), view=False))
-            )
+            value = expected_value("c")  # built here: the thread only commits
+            committer = threading.Thread(target=lambda: committed.append(in_use.commit(value, view=False)))
             committer.start()
+            time.sleep(0.3)  # the commit is in its write, waiting for the node section
             closer = threading.Thread(target=closing.close)
             closer.start()
-            time.sleep(0.3)  # the commit waits for the node section, the detach for the commit
+            time.sleep(0.3)  # the detach waits for the commit
             assert committer.is_alive() and closer.is_alive()
             os.kill(retiring.pid, signal.SIGCONT)
             committer.join(30)

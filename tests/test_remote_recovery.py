@@ -66,6 +66,8 @@ def test_a_master_restarted_on_its_port_brings_publishes_and_pulls_back(
         for name in ("before", "during"):
             assert _value(a, name) == _value(b, name) == fingerprint(expected_value(name))
         assert not _available(a) and not _available(b)
+        # what each computed in the outage was not published, and is counted as dropped
+        assert a.stats()["remote_publish_drops"] == 1 and b.stats()["remote_publish_drops"] == 2
         shmcache_mooncake.restart()  # an empty master on the same port
         wait_for(
             lambda: _available(a) and _available(b), timeout=30, what="both nodes to see the master again"

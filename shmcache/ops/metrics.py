@@ -37,7 +37,7 @@ _COUNTERS: Final[dict[Counter, str]] = {
     Counter.REAPED_CLIENTS: "Dead processes' records reaped",
     Counter.HITS_REMOTE: "Node misses served by a pull from Mooncake Store",
     Counter.REMOTE_PUBLISHES: "Entries published to Mooncake Store",
-    Counter.REMOTE_PUBLISH_DROPS: "Publishes dropped because the publish queue was full",
+    Counter.REMOTE_PUBLISH_DROPS: "Publishes dropped: queue full, store unavailable, entry gone, too large",
     Counter.REMOTE_ERRORS: "Mooncake transfer or RPC errors",
     Counter.REMOTE_REJECTED: "Remote values rejected (corrupt or foreign)",
     Counter.REMOTE_OUTAGES: "Remote store outages (each warned once, survived)",

@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterator, Sequence
 
 from shmcache.config import CacheConfig
-from shmcache.errors import CapacityError, ComputeReentered, InvalidKey
+from shmcache.errors import CacheClosed, CapacityError, ComputeReentered, InvalidKey
 from shmcache.format import entry, values
 from shmcache.format.values import Value
 from shmcache.gpu.side import DeviceSide
@@ -263,6 +263,9 @@ class Claims:
         except CapacityError:
             node.count(Counter.UNCACHEABLE)
             raise
+        except CacheClosed:  # refused by the detach, nothing written: end it here (fenced)
+            self._end(slot, gen, FailureKind.NONE, "its process detached")
+            raise
         finally:
             if exported:
                 self._settle_export(slot, gen)
@@ -292,9 +295,7 @@ class Claims:
         self._releases.later(functools.partial(self._end, slot, gen, FailureKind.NONE, "dropped unended"))
 
     def withdraw_held(self, wait_s: float) -> None:
-        """At the detach: shut writes into our reservations' extents (waiting up to `wait_s` for
-        those running), then withdraw each reservation we hold that nothing may still write (a
-        set-aside transfer's stays); their waiters look again instead of waiting for our exit."""
+        """At the detach: shut our writes (waiting up to `wait_s`), withdraw what none may write."""
         busy = self.writes.shut(wait_s) | (self.bridge.set_aside.still_written() if self.bridge else set())
         for slot, gen in self._node.reservations.held().items() - busy:
             try:  # a lock timeout: the semaphore is released anyway (waiters take over); go on

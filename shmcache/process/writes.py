@@ -7,7 +7,8 @@ freed. Each write runs inside `writing` and the detach calls `shut`, both under 
 
 - `writing` refuses (`CacheClosed`) once `shut` ran, before the write touches the extent;
 - `shut` waits (bounded) for the writes already running and returns the reservations of those
-  still running, which the detach leaves reserved (their process's exit frees them).
+  still running, which the detach leaves to them (such a late write ends with its seal fenced
+  off, `ReservationLost`, and releases the reservation's semaphore; waiters take it over).
 """
 
 from __future__ import annotations

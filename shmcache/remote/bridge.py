@@ -315,10 +315,12 @@ class RemoteBridge:
             node.release([(slot, gen)])
             unpublished()
 
-        if not self.store.available:
-            return  # the store does not answer: the lease cannot be removed either
+        if not self.store.available:  # the store does not answer: the lease cannot be removed either
+            node.count(Counter.REMOTE_PUBLISH_DROPS)
+            return
         try:
-            if not node.add_ref(slot, gen):
+            if not node.add_ref(slot, gen):  # evicted already
+                node.count(Counter.REMOTE_PUBLISH_DROPS)
                 unpublished()
                 return
         except Exception as exc:  # out of pins, a lock timeout: the value is stored, skip the publish

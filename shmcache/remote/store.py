@@ -287,9 +287,9 @@ class RemoteStore:
     def publish(self, name: str, address: int, nbytes: int, done: Callable[[bool], None]) -> bool:
         """Queue `put_from(name, address, nbytes)`; `done(stored)` runs after it.
 
-        Never blocks: a full queue drops the publish (counted; the first drop is warned) and returns False.
-        """
+        Never blocks: a full queue or an unavailable store drops it (counted) and returns False."""
         if not self.available:
+            self._count(Counter.REMOTE_PUBLISH_DROPS, 1)
             return False
         if not self._slots.acquire(blocking=False):
             self._count(Counter.REMOTE_PUBLISH_DROPS, 1)
@@ -304,6 +304,7 @@ class RemoteStore:
             self._executor.submit(self._put, name, address, nbytes, done)
         except RuntimeError:  # shut down
             self._slots.release()
+            self._count(Counter.REMOTE_PUBLISH_DROPS, 1)
             return False
         return True
 
@@ -312,6 +313,7 @@ class RemoteStore:
         try:
             client = self._client
             if client is None or not self.health.up:
+                self._count(Counter.REMOTE_PUBLISH_DROPS, 1)  # an outage began since it was queued
                 return
             rc = self._put_from(client, name, address, nbytes)
             stored = rc == 0
@@ -320,6 +322,7 @@ class RemoteStore:
             elif rc == _TOO_LARGE:
                 pass  # counted as a drop
             elif rc in MASTER_GONE:
+                self._count(Counter.REMOTE_PUBLISH_DROPS, 1)
                 self.health.down(f"Mooncake master {self.master} stopped answering (rc {rc})")
             else:
                 self._count(Counter.REMOTE_ERRORS, 1)
