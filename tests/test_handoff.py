@@ -257,12 +257,14 @@ def test_a_commit_running_when_the_detach_starts_lands(config: CacheConfig) -> N
             committed: list[object] = []
             value = expected_value("c")  # built here: the thread only commits
             committer = threading.Thread(target=lambda: committed.append(in_use.commit(value, view=False)))
+            gate = closing._claims.writes  # read only: when each thread is where the race needs it
             committer.start()
-            time.sleep(0.3)  # the commit is in its write, waiting for the node section
+            wait_for(lambda: bool(gate._running), what="the commit in its write (held at the node section)")
             closer = threading.Thread(target=closing.close)
             closer.start()
-            time.sleep(0.3)  # the detach waits for the commit
-            assert committer.is_alive() and closer.is_alive()
+            wait_for(lambda: gate._shut, what="the detach to shut the writes")
+            time.sleep(0.2)  # it waits for the commit, which waits for the node section
+            assert committer.is_alive() and closer.is_alive() and gate._running
             os.kill(retiring.pid, signal.SIGCONT)
             committer.join(30)
             closer.join(30)
