@@ -7,9 +7,11 @@ keeps working with its data intact. A dead namespace with a damaged header is no
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import multiprocessing as mp
 import os
+import secrets
 import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,6 +24,7 @@ from shmcache import CacheConfig, EmbeddingCache
 from shmcache.errors import CacheClosed, CapacityError, CorruptSegment, LayoutMismatch
 from shmcache.kernel.lockfile import bootstrap_lock
 from shmcache.kernel.namespace import create, mark_destroyed, object_names
+from shmcache.kernel.semaphores import KEY_LIMIT, SemaphoreSet
 from shmcache.node.layout import LAYOUT_VERSION, Header
 from shmcache.testing import kernel_objects, namespace_objects, sample_cache_config
 from tests.helpers import kill, spawn
@@ -229,3 +232,48 @@ def test_a_destroy_killed_after_marking_the_index_is_finished_by_the_next_attach
     with pytest.raises(CacheClosed, match="destroyed"):
         user.get(key_of("x"))
     user.close()
+
+
+def _unfinish(index: mmap.mmap, semkey: int) -> None:
+    """Make `index` the header of a creator killed right after it made its set under `semkey`:
+    every field written, the set's id not yet (-1), the magic and `ready` not yet."""
+    header = dataclasses.replace(Header.read(index), ready=0, semid=-1, semkey=semkey)
+    index[: len(header.pack())] = bytes(8) + header.pack()[8:]
+
+
+def test_an_unfinished_header_leaves_another_namespaces_set_under_its_key(config: CacheConfig) -> None:
+    """The set under an unfinished header's key is removed only if it carries the header's
+    signature or none: a set signed by another namespace (that drew the key later) is kept."""
+    other = sample_cache_config(f"{config.namespace}-other")
+    with EmbeddingCache(other) as live:
+        live.put(key_of("kept"), torch.ones(3))
+        with mapped_index(other.namespace) as index:
+            theirs = Header.read(index)
+        names = object_names(config.namespace)
+        with bootstrap_lock(names, config.mode, 10.0):
+            ours = create(names, config)
+        ours.sems.remove()  # the victim's own set: never made
+        _unfinish(ours.index, theirs.semkey)
+        ours.index.close()
+        ours.arena.close()
+        before = kernel_objects()
+        with EmbeddingCache(config) as cache:  # the unfinished namespace is wiped and made afresh
+            assert cache.stats()["puts"] == 0
+        assert f"sem:{theirs.semid}" in kernel_objects()
+        assert kernel_objects() <= before | {f"shm:{n}" for n in namespace_objects(config.namespace)}
+        assert torch.equal(live.get(key_of("kept")), torch.ones(3))  # the other namespace is intact
+
+
+def test_a_key_another_set_holds_is_drawn_again(config: CacheConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    before = kernel_objects()
+    squatter = SemaphoreSet.create(0x5C0DE, 1)
+    draws = iter([0x5C0DE - 1, 0x5C0DF - 1])  # the squatter's key first, then a free one
+    real = secrets.randbelow
+    monkeypatch.setattr(secrets, "randbelow", lambda n: next(draws) if n == KEY_LIMIT - 1 else real(n))
+    try:
+        with EmbeddingCache(config) as cache, mapped_index(config.namespace) as index:
+            assert Header.read(index).semkey == 0x5C0DF
+            cache.put(key_of("x"), torch.ones(2))
+    finally:
+        squatter.remove()
+    assert kernel_objects() == before

@@ -26,7 +26,7 @@ import mmap
 from shmcache.config import MAX_CLIENTS, MAX_ENTRIES, MAX_PINS, MAX_WAYS, MIN_CAPACITY, MIN_PINS
 from shmcache.errors import CorruptSegment, LayoutMismatch
 from shmcache.kernel.ownership import Expected, check_semaphores, semaphore_owner
-from shmcache.kernel.semaphores import SemaphoreSet, set_size
+from shmcache.kernel.semaphores import KEY_LIMIT, SemaphoreSet, set_size
 from shmcache.keys.key import HASH_ALGORITHMS
 from shmcache.node.clients import start_ticks
 from shmcache.node.layout import (
@@ -44,6 +44,7 @@ __all__ = [
     "attached_process",
     "check_header",
     "judge",
+    "keyed_set",
     "namespace_set",
     "never_written",
     "signature_of",
@@ -130,6 +131,24 @@ def signed_set(header: Header, expected: Expected) -> SemaphoreSet | None:
         return None
     sems = SemaphoreSet(header.semid, count)
     return sems if sems.value(count - 2) | sems.value(count - 1) << 15 == header.signature else None
+
+
+def keyed_set(header: Header, expected: Expected) -> SemaphoreSet | None:
+    """The set made under `header.semkey` by a creator that died before it wrote the set's id
+    into the header (`semid` still -1): ours, of the size the layout gives, and signed with the
+    header's signature or not signed yet (the creator signs right after making it); None
+    otherwise. The key was drawn at random and the set made with IPC_EXCL, so an unsigned set
+    of ours under it is another namespace's only if that namespace drew the same 31-bit key
+    after this creator died before making its set."""
+    semid = SemaphoreSet.find(header.semkey) if 0 < header.semkey < KEY_LIMIT else None
+    owner = None if semid is None else semaphore_owner(semid)
+    if semid is None or owner is None or owner.uid != expected.uid or owner.cuid != expected.uid:
+        return None
+    layout = header.layout
+    sems = SemaphoreSet(semid, layout.semaphores)
+    if not sems.probe() or signature_of(sems, layout) not in (0, header.signature):
+        return None
+    return sems
 
 
 def attached_process(index: mmap.mmap, layout: Layout) -> int | None:

@@ -5,7 +5,8 @@ Objects of namespace NS for user UID (owner-only, mode 0600 by default):
 - ``/dev/shm/shmcache.UID.NS.index``  the index segment (POSIX shm, see `shmcache.node.layout`)
 - ``/dev/shm/shmcache.UID.NS.arena``  the data arena (POSIX shm, reserved up front with fallocate)
 - ``/dev/shm/shmcache.UID.NS.lock``   the bootstrap lock file (flock; released by the kernel at death)
-- one SysV semaphore set (IPC_PRIVATE), its id stored in the index header
+- one SysV semaphore set, made under a random key that the index header records before the set
+  is made (so a wiper finds a set its creator died before naming), its id stored in the header
 
 Attach, detach and destroy run under the bootstrap lock. Every object is verified before it is
 used or removed (`shmcache.kernel.ownership`): files are opened without following links and
@@ -23,25 +24,20 @@ failed open removes the lock file when it created it, or when no index is left t
 from __future__ import annotations
 
 import contextlib
-import errno
-import mmap
 import os
-import secrets
-import time
-from dataclasses import dataclass
 
 from shmcache.config import CacheConfig
-from shmcache.errors import CapacityError, CorruptSegment, ForeignObject, LayoutMismatch
+from shmcache.errors import CorruptSegment, LayoutMismatch
 from shmcache.kernel.cowmap import CowMapper
-from shmcache.kernel.identity import judge, namespace_set, never_written, signed_set
+from shmcache.kernel.creation import create
+from shmcache.kernel.identity import judge, keyed_set, namespace_set, never_written, signed_set
 from shmcache.kernel.lockfile import ANY_MODE, bootstrap_lock
 from shmcache.kernel.names import PREFIX, SHM_DIR, ObjectNames, list_namespaces, object_names
-from shmcache.kernel.ownership import Expected, open_verified, owner_by_name
+from shmcache.kernel.ownership import Expected, open_verified
+from shmcache.kernel.segments import Segments, map_whole
 from shmcache.kernel.semaphores import SemaphoreSet
 from shmcache.keys.key import HASH_ALGORITHMS
-from shmcache.node import crashpoints
-from shmcache.node.crashpoints import CrashPoint
-from shmcache.node.layout import DESTROYED, H_READY, HEADER_SIZE, LAYOUT_VERSION, MAGIC, Header, Layout
+from shmcache.node.layout import DESTROYED, H_READY, HEADER_SIZE, LAYOUT_VERSION, MAGIC, Header
 
 __all__ = [
     "PREFIX",
@@ -58,31 +54,6 @@ __all__ = [
     "remove_objects",
     "wipe",
 ]
-
-
-@dataclass
-class Segments:
-    """The mapped objects of an attached namespace."""
-
-    names: ObjectNames
-    layout: Layout
-    index: mmap.mmap
-    arena: mmap.mmap
-    arena_views: CowMapper  # copy-on-write views of the arena: what readers are given
-    capacity: int
-    sems: SemaphoreSet
-
-    def close(self) -> None:
-        """Close the arena's descriptor (the mappings stay until they are collected)."""
-        self.arena_views.close()
-
-
-def _map(fd: int | None) -> mmap.mmap | None:
-    """A shared read-write mapping of the whole file `fd` (None for no file or an empty one)."""
-    if fd is None:
-        return None
-    size = os.fstat(fd).st_size
-    return mmap.mmap(fd, size) if size else None
 
 
 def _close(fd: int | None) -> None:
@@ -135,7 +106,7 @@ def open_existing(names: ObjectNames, config: CacheConfig | None) -> Segments | 
     try:
         index_fd = open_verified(names.index_path, os.O_RDWR, expected, "index segment")
         arena_fd = open_verified(names.arena_path, os.O_RDWR, expected, "arena segment")
-        index = _map(index_fd)
+        index = map_whole(index_fd)
         if index is None:
             return None  # absent, or its creator died before sizing it
         try:
@@ -144,7 +115,7 @@ def open_existing(names: ObjectNames, config: CacheConfig | None) -> Segments | 
                 index.close()
                 return None
             header, sems = found
-            arena = _map(arena_fd)
+            arena = map_whole(arena_fd)
             if arena is None or len(arena) != header.capacity:
                 raise CorruptSegment(f"arena {names.arena} is missing or its size is not the header's")
             if config is not None:
@@ -187,122 +158,6 @@ def _check_settings(header: Header, config: CacheConfig) -> None:
         )
 
 
-def create(names: ObjectNames, config: CacheConfig) -> Segments:
-    """Create a namespace's objects (the caller holds the bootstrap lock and has wiped)."""
-    layout = Layout(config.n_stripes, config.ways, config.max_clients, config.max_pins_per_process)
-    _check_room(config, layout)
-    created: list[str] = []
-    sems: SemaphoreSet | None = None
-    try:
-        # order matters for a creator killed midway: the index (all zeros: stale) first, then the
-        # semaphore set, named in the header right away (so a wiper finds and removes it), and the
-        # slow arena reservation last; `ready` is set only when everything exists
-        index = _map_new(names.index_path, layout.size, config.mode, created)
-        layout.init_locks(index)
-        sems = _create_set(layout, config.mode)
-        sig = secrets.randbelow((1 << 30) - 1) + 1
-        sems.set_value(layout.signature_sem, sig & 0x7FFF)
-        sems.set_value(layout.signature_sem + 1, sig >> 15)
-        header = Header(
-            magic=MAGIC,
-            layout_version=LAYOUT_VERSION,
-            ready=0,
-            stripes=layout.stripes,
-            ways=layout.ways,
-            clients=layout.clients,
-            pins=layout.pins,
-            capacity=config.capacity_bytes,
-            semid=sems.semid,
-            signature=sig,
-            ttl=config.ttl_s or 0.0,
-            created=time.time(),
-            algorithm=HASH_ALGORITHMS.index(config.hash_algorithm),
-            node_held=0,
-            journal_row=-1,
-            mode=config.mode,
-        )
-        packed = header.pack().ljust(HEADER_SIZE, b"\0")
-        index[len(MAGIC) : HEADER_SIZE] = packed[len(MAGIC) :]
-        index[: len(MAGIC)] = MAGIC  # last: a header without its magic was never finished
-        crashpoints.reached(CrashPoint.CREATING_NAMESPACE)
-        arena_views = CowMapper(_create_shm(names.arena_path, config.capacity_bytes, config.mode, created))
-        try:
-            arena = _map(arena_views.fd)
-            assert arena is not None
-            index[H_READY : H_READY + 4] = (1).to_bytes(4, "little")
-        except BaseException:
-            arena_views.close()
-            raise
-        return Segments(names, layout, index, arena, arena_views, config.capacity_bytes, sems)
-    except BaseException:
-        for path in created:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-        if sems is not None:
-            sems.remove()
-        raise
-
-
-def _check_room(config: CacheConfig, layout: Layout) -> None:
-    """`CapacityError` if /dev/shm has no room for the namespace's index and arena."""
-    stat = os.statvfs(SHM_DIR)
-    free = stat.f_bavail * stat.f_frsize
-    needed = config.capacity_bytes + layout.size
-    if needed > free:
-        raise CapacityError(
-            f"{SHM_DIR} has {free / 2**20:.1f} MiB free; namespace {config.namespace!r} needs "
-            f"{needed / 2**20:.1f} MiB (capacity_bytes + index). Lower capacity_bytes or enlarge "
-            f"{SHM_DIR} (docker: --shm-size)"
-        )
-
-
-def _create_set(layout: Layout, mode: int) -> SemaphoreSet:
-    try:
-        return SemaphoreSet.create(layout.semaphores, mode)
-    except OSError as exc:
-        if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EINVAL):
-            raise CapacityError(
-                f"cannot create a set of {layout.semaphores} semaphores: {exc.strerror}"
-            ) from None
-        raise
-
-
-def _map_new(path: str, size: int, mode: int, created: list[str]) -> mmap.mmap:
-    """Create `path` with `size` bytes reserved and map it."""
-    fd = _create_shm(path, size, mode, created)
-    try:
-        return mmap.mmap(fd, size)
-    finally:
-        os.close(fd)
-
-
-def _create_shm(path: str, size: int, mode: int, created: list[str]) -> int:
-    """Create `path` with `size` bytes reserved; its descriptor (closed if this raises)."""
-    expected = Expected(os.geteuid(), mode)
-    try:
-        fd = open_verified(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, expected, "segment", mode)
-    except FileExistsError:
-        raise ForeignObject(
-            f"segment {path} (owner uid {owner_by_name(path)}) appeared while this process created "
-            "the namespace under its lock"
-        ) from None
-    assert fd is not None
-    created.append(path)
-    try:
-        try:
-            os.posix_fallocate(fd, 0, size)  # reserve now: a full tmpfs fails here, not with SIGBUS later
-        except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
-                raise CapacityError(
-                    f"cannot reserve {size} bytes for {path} in {SHM_DIR}: {exc.strerror}"
-                ) from None
-            raise
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
 def wipe(names: ObjectNames, mode: int | None = None) -> None:
     """Remove a namespace's index, arena and (if it is verifiably this namespace's) its semaphore
     set. Every object is verified first (owner always, `mode` when given): `ForeignObject` if one
@@ -328,7 +183,7 @@ def mark_destroyed(index_fd: int | None) -> None:
     """Mark a finished index destroyed, so that processes still attached get `CacheClosed` from
     their next call (native.c checks `ready` on entry: the hit path touches no kernel object that
     removing the namespace would take away)."""
-    index = _map(index_fd)
+    index = map_whole(index_fd)
     if index is None or len(index) < HEADER_SIZE:
         return
     with index:
@@ -339,8 +194,9 @@ def mark_destroyed(index_fd: int | None) -> None:
 def _set_to_remove(index_fd: int | None, expected: Expected) -> SemaphoreSet | None:
     """The semaphore set a (verified) index names, if it is this namespace's: ours, of the size
     the header gives, carrying its signature. A header not finished by its creator still names
-    the set it made. `ForeignObject` if the named set is another user's."""
-    index = _map(index_fd)
+    the set it made, by id or (killed before the id was written) by key. `ForeignObject` if the
+    set named by id is another user's."""
+    index = map_whole(index_fd)
     if index is None or len(index) < HEADER_SIZE:
         return None
     with index:
@@ -355,6 +211,8 @@ def _set_to_remove(index_fd: int | None, expected: Expected) -> SemaphoreSet | N
             return None
         if not _plausible(header):  # damaged layout fields: the set is known by its signature
             return signed_set(header, Expected(expected.uid, None))
+        if header.semid < 0:  # its creator died before naming the set: it is known by its key
+            return keyed_set(header, Expected(expected.uid, None))
         return namespace_set(header, Expected(expected.uid, None), strict=False)
     except CorruptSegment:
         return None  # nothing trustworthy names a semaphore set: leave IPC alone

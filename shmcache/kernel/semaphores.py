@@ -1,4 +1,8 @@
-"""One SysV semaphore set (IPC_PRIVATE) with SEM_UNDO, through libc: the kernel-robust primitive.
+"""One SysV semaphore set with SEM_UNDO, through libc: the kernel-robust primitive.
+
+The set is made under a random key that its namespace's index records first, so that a creator
+killed before the index names the set by id leaves a set that the next attacher can still find
+(`find`) and remove: a set made with IPC_PRIVATE would have no name left at all.
 
 Every "hold" is a +1 with SEM_UNDO, so the kernel undoes it when the holder dies, SIGKILL included.
 Waiters block in the kernel (wait-for-zero, `semtimedop`) with a timeout: no polling, and a seal,
@@ -22,9 +26,10 @@ import numpy as np
 
 from shmcache.errors import CacheClosed, SemaphoreTimeout
 
-__all__ = ["SemaphoreSet", "set_size"]
+__all__ = ["KEY_LIMIT", "SemaphoreSet", "set_size"]
 
-_IPC_PRIVATE: Final = 0
+KEY_LIMIT: Final = 1 << 31  # keys are 1 .. KEY_LIMIT - 1 (0 is IPC_PRIVATE, -1 is no key)
+
 _IPC_CREAT: Final = 0o1000
 _IPC_EXCL: Final = 0o2000
 _IPC_NOWAIT: Final = 0o4000
@@ -72,13 +77,20 @@ class SemaphoreSet:
         self._prebuilt: dict[tuple[str, int], Any] = {}
 
     @classmethod
-    def create(cls, count: int, mode: int = 0o600) -> SemaphoreSet:
-        """Create a new private set with every value 0."""
-        semid = _semget(_IPC_PRIVATE, count, _IPC_CREAT | _IPC_EXCL | mode)
+    def create(cls, key: int, count: int, mode: int = 0o600) -> SemaphoreSet:
+        """Create a new set under `key` with every value 0; `FileExistsError` if a set has that key."""
+        semid = _semget(key, count, _IPC_CREAT | _IPC_EXCL | mode)
         if semid < 0:
             code = ctypes.get_errno()
-            raise OSError(code, f"semget({count}): {os.strerror(code)}; see `ipcs -ls` for limits")
+            detail = "" if code == errno.EEXIST else "; see `ipcs -ls` for limits"
+            raise OSError(code, f"semget({key:#x}, {count}): {os.strerror(code)}{detail}")
         return cls(semid, count)
+
+    @staticmethod
+    def find(key: int) -> int | None:
+        """The id of the set made under `key`, or None if there is none (or it is not readable)."""
+        semid = _semget(key, 0, 0)
+        return None if semid < 0 else int(semid)
 
     def probe(self) -> bool:
         """True if `semid` names a set of exactly `count` semaphores that this user can read."""

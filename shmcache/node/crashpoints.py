@@ -27,6 +27,7 @@ __all__ = ["CRASH_POINTS", "NATIVE_POINTS", "CrashPoint", "CrashRow", "Survivor"
 class CrashPoint(enum.Enum):
     """A named place in the protocol where a test may kill the process."""
 
+    CREATING_SEMAPHORES = "creating-semaphores"
     CREATING_NAMESPACE = "creating-namespace"
     IN_NODE_SECTION = "in-node-section"
     RETIRING_CLIENT = "retiring-client"
@@ -64,6 +65,14 @@ class CrashRow:
 
 
 CRASH_POINTS: tuple[CrashRow, ...] = (
+    CrashRow(
+        CrashPoint.CREATING_SEMAPHORES,
+        "creating a namespace (semaphore set made, not yet signed nor named by id in the header)",
+        "a semaphore set that only the key in the unfinished header names",
+        "the next attacher finds the header unfinished, finds the set by that key and removes it "
+        "with the namespace, under the bootstrap lock",
+        survivors=(Survivor.ARRIVES_AFTER,),
+    ),
     CrashRow(
         CrashPoint.CREATING_NAMESPACE,
         "creating a namespace (header written, arena not yet reserved)",

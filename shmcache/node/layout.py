@@ -3,8 +3,8 @@
 Index segment (all little-endian)::
 
     header      4096 B       `Header` (magic, layout version, settings, semaphore-set id, node-lock
-                             held marker, counter journal row), then retired counters, then the
-                             counter journal
+                             held marker, counter journal row, semaphore-set key), then the retire
+                             sequence, the retired counters, then the counter journal
     locks       64 B x (1+S) process-shared robust mutexes: the node lock, then one per stripe
     stripes     8 B x S      held marker u32 (the holder's pid; 0: clean), repairs u32
     slots       80 B x N     `SlotRecord` (state, owner, gen, offset, size, sealed_at, refcount),
@@ -52,7 +52,7 @@ __all__ = [
 IndexBuffer = mmap.mmap | bytearray  # a mapped index segment, or a private copy of one (snapshots)
 
 MAGIC: Final = b"SHMCIDX\x01"
-LAYOUT_VERSION: Final = 5
+LAYOUT_VERSION: Final = 6
 NODE_LOCK: Final = 0  # the node lock's index in the lock table (stripe s: 1 + s)
 LOCK_SIZE: Final = 64
 
@@ -100,12 +100,12 @@ N_COUNTERS: Final = len(Counter)
 
 # ---------------------------------------------------------------------------------------- header
 HEADER_SIZE: Final = 4096
-_HEADER: Final = struct.Struct("<8sIIIIIIQiIddIIiI")
+_HEADER: Final = struct.Struct("<8sIIIIIIQiIddIIiIi")
 H_READY: Final = 12  # u32, set to 1 when every object of the namespace exists, DESTROYED once removed
 DESTROYED: Final = 2
 H_NODE_HELD: Final = 68  # u32, the node lock's held marker
 H_JOURNAL_ROW: Final = 72  # i32, the client row being retired, -1 when none
-H_RETIRE_SEQ: Final = 80  # u64, odd while a retire folds a client's counters in (native.c, point 8)
+H_RETIRE_SEQ: Final = 88  # u64, odd while a retire folds a client's counters in (native.c, point 8)
 H_RETIRED: Final = 128  # u64 x N_COUNTERS: counters of clients that left
 H_JOURNAL: Final = H_RETIRED + 8 * N_COUNTERS  # u64 x N_COUNTERS: the retired totals before a retire
 assert _HEADER.size <= H_RETIRE_SEQ and H_RETIRE_SEQ + 8 <= H_RETIRED
@@ -124,7 +124,7 @@ class Header:
     clients: int
     pins: int
     capacity: int
-    semid: int
+    semid: int  # -1 until the set exists (its creator writes every other field first)
     signature: int
     ttl: float  # 0.0: no TTL
     created: float
@@ -132,6 +132,7 @@ class Header:
     node_held: int
     journal_row: int
     mode: int
+    semkey: int  # the key the semaphore set is made under, written before it is made
 
     @classmethod
     def read(cls, buf: IndexBuffer | bytes) -> Header:

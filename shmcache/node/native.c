@@ -104,7 +104,7 @@
 #define STRIPE_SIZE 8
 #define LOCK_SIZE 64 /* one process-shared robust mutex, padded to a cache line */
 #define H_READY 12 /* the header's u32 `ready`: 1 ready, DESTROYED once destroy_namespace removed it */
-#define H_RETIRE_SEQ 80 /* the header's u64 retire sequence (point 8) */
+#define H_RETIRE_SEQ 88 /* the header's u64 retire sequence (point 8) */
 #define DESTROYED 2
 #define CLIENT_HEAD_SIZE 512
 #define C_COUNTERS 64
