@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shmcache import CorruptValue, HiddenStatePrefix, UnsupportedValue
-from shmcache.format.decode import decode, signature
+from shmcache.format.decode import aliasing, decode
 from shmcache.format.values import ALIGNMENT, encode, plan
 from shmcache.keys.dtypes import _torch_dtypes
 
@@ -186,7 +186,7 @@ def test_hidden_state_prefix_round_trips_numpy_and_torch_hidden_states(hidden: o
         assert type(out.hidden_states) is type(hidden) and out.hidden_states.dtype == hidden.dtype  # type: ignore[attr-defined]
         assert tuple(out.hidden_states.shape) == tuple(hidden.shape)  # type: ignore[attr-defined]
         assert out.hidden_states.tolist() == hidden.tolist()  # type: ignore[attr-defined]
-        assert signature(out) is None  # a prefix is rebuilt by repeat hits, never aliased
+        assert aliasing(out) is None  # a prefix is rebuilt by repeat hits, never aliased
 
 
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")

@@ -11,7 +11,7 @@ import struct
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -40,10 +40,11 @@ from shmcache.format.values import (
 from shmcache.keys.dtypes import numpy_dtype, torch_dtype
 
 __all__ = [
+    "Aliasing",
     "ArraySpec",
     "DeviceBuilder",
     "ParsedValue",
-    "alias",
+    "aliasing",
     "as_byte_array",
     "decode",
     "describe",
@@ -307,27 +308,29 @@ def _tensor_signature(tensor: Any) -> tuple[Any, ...]:
     return tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype
 
 
-_SIGNATURE_BY_TYPE: dict[type, Callable[[Any], tuple[Any, ...]]] = {np.ndarray: _array_signature}
+class Aliasing(NamedTuple):
+    """How a repeat hit checks a value of one type returned earlier (`signature`: the memory it
+    points at, its shape, strides and dtype) and makes a new handle of it (`alias`)."""
+
+    signature: Callable[[Any], tuple[Any, ...]]
+    alias: Callable[[Any], Value]
 
 
-def signature(value: Value) -> tuple[Any, ...] | None:
-    """What a repeat hit checks before it aliases `value`, a value returned earlier that its holder
-    may have changed in place (`unsqueeze_`, `t_`, `t.data = ...`, `a.shape = ...`): the memory
-    it points at, its shape, strides and dtype. None for any other value, never aliased (the
-    items of a container, the token ids and metadata of a prefix can be replaced: it is rebuilt)."""
-    by_type = _SIGNATURE_BY_TYPE.get(type(value))  # the common types in one look (repeat hits)
-    if by_type is None:
+_ALIASING_BY_TYPE: dict[type, Aliasing] = {np.ndarray: Aliasing(_array_signature, np.ndarray.view)}
+
+
+def aliasing(value: Value) -> Aliasing | None:
+    """How a repeat hit aliases `value`, a value it returned, which its holder may change in place
+    (`unsqueeze_`, `t_`, `t.data = ...`, `a.shape = ...`): for a plain array or tensor. None for
+    any other value, never aliased (the items of a container, the token ids and metadata of a
+    prefix can be replaced: it is rebuilt)."""
+    found = _ALIASING_BY_TYPE.get(type(value))  # the common types in one look
+    if found is None:
         torch = sys.modules.get("torch")
         if torch is None or type(value) is not torch.Tensor:
             return None
-        by_type = _SIGNATURE_BY_TYPE[torch.Tensor] = _tensor_signature
-    return by_type(value)
-
-
-def alias(value: Any) -> Value:
-    """A new value object sharing the memory of `value`, an array or tensor whose `signature` is
-    still the one it was returned with (a repeat hit's cheap copy of the handle)."""
-    return value.view() if type(value) is np.ndarray else value.detach()
+        found = _ALIASING_BY_TYPE[torch.Tensor] = Aliasing(_tensor_signature, torch.Tensor.detach)
+    return found
 
 
 def describe(buffer: memoryview | bytes) -> tuple[str, list[tuple[str, tuple[int, ...]]]]:

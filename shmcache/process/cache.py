@@ -137,9 +137,10 @@ class EmbeddingCache:
         `cleanup_request(request_id)`: it survives TTL expiry and eviction pressure until then."""
         if not self._enabled:
             return None
-        arguments.check_request(request_id)
+        if request_id is not None:
+            arguments.check_request(request_id)
         self._index()
-        return self._views.lookup(key, self._needle(key), request_id)
+        return self._views.lookup(key, arguments.needle(key, self.config.hash_algorithm), request_id)
 
     def get_many(
         self, keys: Sequence[EmbeddingCacheKey], request_id: RequestId | None = None

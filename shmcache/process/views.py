@@ -47,9 +47,16 @@ class _Mapping(NamedTuple):
     sealed: SealedEntry  # the entry whose head was parsed: (slot, gen) and where it lies in the arena
     holder: weakref.ref[np.ndarray]  # the entry's bytes; alive while any returned view is
     parsed: decode.ParsedValue
-    template: weakref.ref[Any] | None  # a value returned earlier, aliased by repeat hits
-    signature: tuple[Any, ...] | None  # the template's when returned (`decode.signature`)
+    template: _Template | None  # a value returned earlier, aliased by repeat hits
     aliases: GpuRecord | None = None  # the template aliases this exporter's device memory
+
+
+class _Template(NamedTuple):
+    """A value returned earlier that repeat hits alias while it is alive and unchanged."""
+
+    value: weakref.ref[Any]
+    signature: tuple[Any, ...]  # its signature when it was returned
+    aliasing: decode.Aliasing  # how to check it again and alias it
 
 
 class _Kept(NamedTuple):
@@ -230,9 +237,9 @@ class Views:
                 node.release([(slot, gen)])  # the pin only covered the copy
             return value
         record = GpuRecord.from_attachment(sealed.attachment) if aliased else None
-        signature = decode.signature(value)
-        template = None if signature is None else weakref.ref(value)
-        mapping = _Mapping(sealed, weakref.ref(holder), parsed, template, signature, record)
+        ops = decode.aliasing(value)
+        template = None if ops is None else _Template(weakref.ref(value), ops.signature(value), ops)
+        mapping = _Mapping(sealed, weakref.ref(holder), parsed, template, record)
         kept.append(_Kept(needle, mapping, holder))
         return value
 
@@ -314,9 +321,11 @@ class Views:
         if found is None or holder is None:
             return None
         node, slot, gen = self._node, found.sealed.slot, found.sealed.gen
-        template = found.template() if found.template is not None else None
-        if template is not None and decode.signature(template) != found.signature:
-            template = None  # its holder changed it in place: not aliased
+        template = None
+        if (aliased := found.template) is not None:
+            template = aliased.value()
+            if template is not None and aliased.aliasing.signature(template) != aliased.signature:
+                template = None  # its holder changed it in place: not aliased
         if found.parsed.on_device and self._device.reader() is not None:
             if template is None:
                 return None  # a GPU entry's device arrays are made by a full delivery (its route)
@@ -327,12 +336,18 @@ class Views:
         # the hit is counted in the same native call unless a request's ref may still fail it
         if not node.lookups.repeat_hit(slot, gen, counted=count and request_id is None):
             return None
-        if request_id is not None:
-            if not node.add_ref(slot, gen):
-                return None
-            self._requests.add(request_id, slot, gen)
-            if count:
-                node.count(Counter.HITS_PROCESS)
-        if template is not None:
-            return decode.alias(template)
+        if request_id is not None and not self._ref_repeat(slot, gen, request_id, count):
+            return None
+        if template is not None and aliased is not None:
+            return aliased.aliasing.alias(template)
         return decode.materialize(holder, found.parsed, base=entry.ENTRY_HEADER_SIZE)
+
+    def _ref_repeat(self, slot: int, gen: int, request_id: RequestId, count: bool) -> bool:
+        """Reference a repeat hit's entry for `request_id` (and count the hit); False if it is
+        not sealed any more."""
+        if not self._node.add_ref(slot, gen):
+            return False
+        self._requests.add(request_id, slot, gen)
+        if count:
+            self._node.count(Counter.HITS_PROCESS)
+        return True
