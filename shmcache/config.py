@@ -132,6 +132,11 @@ class CacheConfig:
         """Number of stripes (sets of `ways` slots); max_entries is rounded down to a multiple."""
         return self.max_entries // self.ways
 
+    @property
+    def key_settings(self) -> dict[str, Any]:
+        """What a key constructor takes from this config: its hash algorithm and tenant salt."""
+        return {"algorithm": self.hash_algorithm, "tenant_salt": self.tenant_salt}
+
     @classmethod
     def from_stage_config(cls, stage: Mapping[str, Any]) -> CacheConfig:
         """Build from the `CacheConfig` fields of a vLLM-Omni stage's `embedding_cache:` block

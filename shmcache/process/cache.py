@@ -119,17 +119,15 @@ class EmbeddingCache:
         self, data: bytes | bytearray | memoryview, config: EncoderPreprocessingConfig, *, modality: Modality
     ) -> EmbeddingCacheKey:
         """`EmbeddingCacheKey.from_raw_bytes` with this cache's hash algorithm and tenant salt."""
-        return EmbeddingCacheKey.from_raw_bytes(data, config, modality=modality, **self._key_settings)
+        return EmbeddingCacheKey.from_raw_bytes(data, config, modality=modality, **self.config.key_settings)
 
     def key_from_decoded_tensor(
         self, tensor: Any, config: EncoderPreprocessingConfig, *, modality: Modality
     ) -> EmbeddingCacheKey:
         """`EmbeddingCacheKey.from_decoded_tensor` with this cache's hash algorithm and tenant salt."""
-        return EmbeddingCacheKey.from_decoded_tensor(tensor, config, modality=modality, **self._key_settings)
-
-    @property
-    def _key_settings(self) -> dict[str, Any]:
-        return {"algorithm": self.config.hash_algorithm, "tenant_salt": self.config.tenant_salt}
+        return EmbeddingCacheKey.from_decoded_tensor(
+            tensor, config, modality=modality, **self.config.key_settings
+        )
 
     # ----------------------------------------------------------------- public API
     def get(self, key: EmbeddingCacheKey, request_id: RequestId | None = None) -> Value | None:
