@@ -110,6 +110,5 @@ class KeyMaker:
             self.preprocessing,
             source=KEY_SOURCE,
             modality=modality if known else "image",  # type: ignore[arg-type]
-            algorithm=self.cache.hash_algorithm,
-            tenant_salt=self.cache.tenant_salt,
+            **self.cache.key_settings,
         )
