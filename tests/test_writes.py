@@ -38,3 +38,15 @@ def test_the_shut_waits_for_a_running_write_and_keeps_one_that_outlasts_its_wait
     assert writes.shut(30) == set()  # waited for it to end
     assert time.monotonic() - started < 10
     writer.join(30)
+
+
+def test_the_shut_does_not_wait_for_a_write_of_its_own_thread() -> None:
+    """A detach started inside a write (an allocation that released a closed cache's last dead
+    view) must not wait out its bound for a write that cannot end before it returns."""
+    writes = Writes()
+    started = time.monotonic()
+    with writes.writing(4, 2):
+        assert writes.shut(30) == {(4, 2)}  # kept: this write goes on after the detach
+    assert time.monotonic() - started < 10
+    with pytest.raises(CacheClosed), writes.writing(4, 3):
+        pass
