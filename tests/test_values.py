@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shmcache import CorruptValue, HiddenStatePrefix, UnsupportedValue
+from shmcache.format import _arrays
 from shmcache.format.decode import aliasing, decode
 from shmcache.format.values import ALIGNMENT, encode, plan
 from shmcache.keys.dtypes import _torch_dtypes
@@ -102,6 +103,32 @@ def test_payloads_are_aligned_and_decode_is_zero_copy() -> None:
         assert (tensor.data_ptr() - base) % ALIGNMENT == 0
     copied = decode(memoryview(buffer), copy=True)
     assert not (base <= copied["a"].data_ptr() < base + len(buffer))
+
+
+def test_the_native_array_step_checks_every_bound_and_keeps_its_buffer() -> None:
+    buffer = np.arange(64, dtype=np.uint8)
+    words = _arrays.array(buffer, 8, np.dtype("<u4"), (2, 3), True)
+    assert words.base is buffer and words.flags.c_contiguous and words.flags.writeable
+    assert words.tolist() == np.frombuffer(bytes(range(8, 32)), "<u4").reshape(2, 3).tolist()
+    assert not _arrays.array(buffer, 0, np.dtype(np.uint8), (4,), False).flags.writeable
+    buffer.flags.writeable = False
+    assert not _arrays.array(buffer, 0, np.dtype(np.uint8), (4,), True).flags.writeable
+    assert _arrays.array(buffer, 64, np.dtype(np.float64), (0, 5), False).shape == (0, 5)
+    for offset, shape in [(57, (1,)), (-1, (1,)), (65, (0,)), (0, (9,)), (0, (-1,)), (0, (1 << 40, 1 << 40))]:
+        with pytest.raises(ValueError):
+            _arrays.array(buffer, offset, np.dtype(np.float64), shape, False)
+    for bad in [
+        (buffer.reshape(8, 8), 0, np.dtype(np.uint8), (1,), False),  # not 1-D
+        (buffer[::2], 0, np.dtype(np.uint8), (1,), False),  # not contiguous
+        (buffer.view(np.int8), 0, np.dtype(np.uint8), (1,), False),  # not uint8
+        (bytes(8), 0, np.dtype(np.uint8), (1,), False),  # not an array
+        (buffer, 0, np.dtype(object), (1,), False),  # holds references
+        (buffer, 0, "float32", (1,), False),  # not a dtype
+        (buffer, 0, np.dtype(np.uint8), [1], False),  # not a tuple
+        (buffer, 0, np.dtype(np.uint8), (1,) * 33, False),  # too many dimensions
+    ]:
+        with pytest.raises(TypeError):
+            _arrays.array(*bad)
 
 
 def test_unsupported_values_raise_typed_errors() -> None:

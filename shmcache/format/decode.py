@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from shmcache.errors import CorruptValue, UnsupportedValue
+from shmcache.format import _arrays
 from shmcache.format.values import (
     ALIGNMENT,
     DESCRIPTOR,
@@ -79,6 +80,7 @@ class ParsedValue:
     single: ArraySpec | None  # the array that is the value itself (a tensor or ndarray value)
 
 
+_BYTE: np.dtype[np.uint8] = np.dtype(np.uint8)
 _parsed_heads: dict[bytes, ParsedValue] = {}
 _PARSED_HEADS_MAX = 4096
 
@@ -253,21 +255,18 @@ def materialize(
 
 def _materialize(array: np.ndarray[Any, Any], spec: ArraySpec, copy: bool, base: int) -> Any:
     offset = base + spec.offset
-    if spec.torch_dtype is None:  # a numpy array
+    if spec.torch_dtype is None:  # a numpy array, read-only unless it is a copy
         assert spec.np_dtype is not None
-        result = np.ndarray(spec.shape, spec.np_dtype, buffer=array, offset=offset)
-        if copy:
-            return result.copy()
-        result.flags.writeable = False
-        return result
+        result = _arrays.array(array, offset, spec.np_dtype, spec.shape, False)
+        return result.copy() if copy else result
     import torch
 
     if spec.nbytes == 0:
         return torch.empty(spec.shape, dtype=spec.torch_dtype)
     if spec.np_dtype is not None:
-        tensor = torch.from_numpy(np.ndarray(spec.shape, spec.np_dtype, buffer=array, offset=offset))
+        tensor = torch.from_numpy(_arrays.array(array, offset, spec.np_dtype, spec.shape, True))
     else:
-        raw = np.ndarray((spec.nbytes,), np.uint8, buffer=array, offset=offset)
+        raw = _arrays.array(array, offset, _BYTE, (spec.nbytes,), True)
         tensor = torch.from_numpy(raw).view(spec.torch_dtype).reshape(spec.shape)
     return tensor.clone() if copy else tensor
 

@@ -23,16 +23,17 @@ a written page shared by two neighbouring entries was copied with the neighbour'
 are (sealed entries do not change).
 
 The mappings are made by a small C extension (`Pool` in mapping.c, next to this module): an
-object that exports the bytes as a buffer and gives its mapping back when it dies, so a view costs
-at most one mmap system call and one numpy array over that object (and Python's `mmap.mmap` would
-duplicate the file descriptor for each mapping: a descriptor per live view).
+object that exports the bytes as a buffer and gives its mapping back when it dies, handed out as a
+numpy array made in C over it, so a view costs at most one mmap system call and no Python step
+(and Python's `mmap.mmap` would duplicate the file descriptor for each mapping: a descriptor per
+live view).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -68,14 +69,12 @@ class CowMapper:
         """A writable uint8 array of `size` bytes at `offset`, over a private mapping of its pages;
         the mapping is reset and kept for reuse when the array (and everything derived from it) is
         gone. `CapacityError` if the process cannot map more (vm.max_map_count, address space)."""
-        mapping = self._open().map(offset, size)
-        return np.frombuffer(cast(bytes, mapping), dtype=np.uint8)  # any buffer works; numpy's stub lists few
+        return self._open().map(offset, size)
 
     def view_many(self, extents: list[tuple[int, int]]) -> list[np.ndarray[Any, np.dtype[np.uint8]]]:
         """`view` of each (offset, size), in order, in one call: nearby extents share a mapping
         (one system call per run of them); each array reports its own death to `on_deaths`."""
-        mappings = self._open().map_many([o for o, _ in extents], [n for _, n in extents])
-        return [np.frombuffer(cast(bytes, mapping), dtype=np.uint8) for mapping in mappings]
+        return self._open().map_many([o for o, _ in extents], [n for _, n in extents])
 
     def on_deaths(
         self, views: list[np.ndarray[Any, np.dtype[np.uint8]]], callback: Callable[[T], object], args: list[T]

@@ -11,10 +11,14 @@
  * room).
  * A batch of views (`map_many`) shares one mapping per run of nearby extents: each view is then a
  * window object holding that mapping, which is unmapped when the last of its windows dies.
+ * A view is handed out as a numpy uint8 array made here over its Mapping (the array's base), so a
+ * get makes no array in Python; an array derived from it keeps it, and so the Mapping, alive.
  * `copy_into` is how a writer fills shared memory (see there).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
+#include <numpy/arrayobject.h>
 
 #if defined(__x86_64__)
 #include <emmintrin.h>
@@ -248,6 +252,26 @@ static Mapping *map_pages(Pool *pool, Py_ssize_t start, Py_ssize_t end, int keep
     return m;
 }
 
+/* A writable, 1-D uint8 numpy array over `m`'s bytes, `m` its base (the reference is stolen: on
+ * failure `m` is released, which gives its mapping back). */
+static PyObject *as_array(Mapping *m) {
+    if (m == NULL) {
+        return NULL;
+    }
+    npy_intp length = m->size;
+    PyObject *array = PyArray_New(&PyArray_Type, 1, &length, NPY_UINT8, NULL, m->data, 0,
+                                  NPY_ARRAY_CARRAY, NULL);
+    if (array == NULL) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    if (PyArray_SetBaseObject((PyArrayObject *)array, (PyObject *)m) < 0) { /* it took `m`: released */
+        Py_DECREF(array);
+        return NULL;
+    }
+    return array;
+}
+
 static int as_fd(PyObject *arg, int *fd) {
     long value = PyLong_AsLong(arg);
     if (value == -1 && PyErr_Occurred()) {
@@ -294,7 +318,7 @@ static PyObject *Pool_map(Pool *pool, PyObject *const *args, Py_ssize_t nargs) {
     if (check_open(pool) < 0 || as_extent(args[0], args[1], &offset, &size) < 0) {
         return NULL;
     }
-    return (PyObject *)map_pages(pool, offset, offset + size, 1);
+    return as_array(map_pages(pool, offset, offset + size, 1));
 }
 
 typedef struct {
@@ -324,12 +348,12 @@ static int map_runs(Pool *pool, extent_t *extents, Py_ssize_t n, PyObject *out) 
         }
         for (; i < j; i++) {
             char *data = (char *)owner->address + (extents[i].offset - owner->from);
-            Mapping *window = new_mapping(NULL, 0, (PyObject *)owner, data, extents[i].size);
-            if (window == NULL) {
+            PyObject *view = as_array(new_mapping(NULL, 0, (PyObject *)owner, data, extents[i].size));
+            if (view == NULL) {
                 Py_DECREF(owner);
                 return -1;
             }
-            PyList_SET_ITEM(out, extents[i].index, (PyObject *)window);
+            PyList_SET_ITEM(out, extents[i].index, view);
         }
         Py_DECREF(owner); /* its windows hold it */
     }
@@ -398,22 +422,16 @@ static void Pool_dealloc(Pool *pool) {
 }
 
 /* ------------------------------------------------------------- death of the views' bytes */
-static PyObject *BASE; /* "base": a numpy array's exporter of its bytes */
 
-/* The Mapping under the numpy array `view` (a new reference), or NULL with TypeError (another
- * error, a KeyboardInterrupt say, is left as it is). */
+/* The Mapping under the numpy array `view` made by map or map_many (a new reference), or NULL
+ * with TypeError. */
 static Mapping *mapping_of(PyObject *view) {
-    PyObject *base = PyObject_GetAttr(view, BASE);
-    if (base != NULL && PyObject_TypeCheck(base, &MappingType)) {
-        return (Mapping *)base;
-    }
-    if (base == NULL && !PyErr_ExceptionMatches(PyExc_AttributeError)) {
+    PyObject *base = PyArray_Check(view) ? PyArray_BASE((PyArrayObject *)view) : NULL;
+    if (base == NULL || !PyObject_TypeCheck(base, &MappingType)) {
+        PyErr_SetString(PyExc_TypeError, "not a view made by CowMapper.view or view_many");
         return NULL;
     }
-    Py_XDECREF(base);
-    PyErr_Clear();
-    PyErr_SetString(PyExc_TypeError, "not a view made by CowMapper.view or view_many");
-    return NULL;
+    return (Mapping *)Py_NewRef(base);
 }
 
 /* pool.on_deaths(views, callback, args): each view's mapping calls callback(args[i]) once, right
@@ -478,9 +496,10 @@ static PyObject *is_watched(PyObject *Py_UNUSED(module), PyObject *view) {
 
 static PyMethodDef Pool_methods[] = {
     {"map", (PyCFunction)(void (*)(void))Pool_map, METH_FASTCALL,
-     "map(offset, size): a Mapping of those bytes of the file (copy-on-write)."},
+     "map(offset, size): a writable uint8 numpy array of those bytes of the file (copy-on-write), "
+     "over a Mapping (its base)."},
     {"map_many", (PyCFunction)(void (*)(void))Pool_map_many, METH_FASTCALL,
-     "map_many(offsets, sizes): a Mapping per extent, in order; nearby extents share one "
+     "map_many(offsets, sizes): such an array per extent, in order; nearby extents share one "
      "copy-on-write mapping, unmapped when the last of them dies."},
     {"on_deaths", (PyCFunction)(void (*)(void))Pool_on_deaths, METH_FASTCALL,
      "on_deaths(views, callback, args): each view's bytes call callback(args[i]) once, right after "
@@ -593,8 +612,8 @@ PyMODINIT_FUNC PyInit__mapping(void) {
     if (PyType_Ready(&MappingType) < 0 || PyType_Ready(&PoolType) < 0) {
         return NULL;
     }
-    BASE = PyUnicode_InternFromString("base");
-    PyObject *errors = BASE == NULL ? NULL : PyImport_ImportModule("shmcache.errors");
+    import_array1(NULL);
+    PyObject *errors = PyImport_ImportModule("shmcache.errors");
     if (errors == NULL) {
         return NULL;
     }
