@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from shmcache import CorruptValue, HiddenStatePrefix, UnsupportedValue
 from shmcache.format import _arrays
-from shmcache.format.decode import aliasing, decode
+from shmcache.format.decode import aliasing, decode, parse
 from shmcache.format.values import ALIGNMENT, encode, plan
 from shmcache.keys.dtypes import _torch_dtypes
 
@@ -32,16 +32,19 @@ ALL_TORCH_DTYPES = sorted(_torch_dtypes().items())
 
 
 @pytest.mark.parametrize(("name", "dtype"), ALL_TORCH_DTYPES, ids=[n for n, _ in ALL_TORCH_DTYPES])
-@pytest.mark.parametrize("shape", [(), (0,), (7,), (3, 5), (2, 3, 4)])
+@pytest.mark.parametrize("shape", [(), (0,), (7,), (3, 5), (2, 3, 4), (3, 0, 2)])
 def test_every_torch_dtype_round_trips_bit_identically(
     name: str, dtype: torch.dtype, shape: tuple[int, ...]
 ) -> None:
     original = _random_tensor(dtype, shape)
     for value in (original, original.t() if original.dim() == 2 else original):
-        out = decode(encode(value))
+        encoded = encode(value)
+        out = decode(encoded)
         assert isinstance(out, torch.Tensor)
         assert out.dtype == dtype and tuple(out.shape) == tuple(value.shape)
         assert _bits(out) == _bits(value)  # NaN payloads and -0.0 included
+        ops = aliasing(out)  # a repeat hit aliases it: its signature read from the spec is its own
+        assert ops is not None and ops.built(out, parse(memoryview(encoded)).single) == ops.signature(out)
 
 
 def test_shell_dtypes_are_rejected_not_pickled() -> None:

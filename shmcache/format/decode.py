@@ -66,6 +66,7 @@ class ArraySpec:
     name: str
     np_dtype: np.dtype[Any] | None  # numpy dtype of the elements, None if numpy has no twin
     torch_dtype: Any  # torch.dtype for torch arrays, None for numpy arrays
+    layout: tuple[Any, ...] | None  # a torch array's (shape, strides, dtype) once built; None: numpy
 
 
 @dataclass(frozen=True)
@@ -191,7 +192,18 @@ def _spec(lib: int, dtype: str, shape: tuple[int, ...], offset: int, nbytes: int
         raise CorruptValue(str(exc)) from None
     if count * itemsize != nbytes:
         raise CorruptValue(f"array of {dtype} {list(shape)} does not match its {nbytes} bytes")
-    return ArraySpec(lib, dtype, shape, offset, nbytes, name, np_dtype, torch_type)
+    layout = None if torch_type is None else (shape, _contiguous_strides(shape), torch_type)
+    return ArraySpec(lib, dtype, shape, offset, nbytes, name, np_dtype, torch_type, layout)
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The element strides of a C-contiguous torch tensor of `shape` (a dimension of 0 counts as 1,
+    as torch counts it)."""
+    strides, step = [], 1
+    for dim in reversed(shape):
+        strides.append(step)
+        step *= max(dim, 1)
+    return tuple(reversed(strides))
 
 
 def _numpy_twin(name: str, itemsize: int) -> np.dtype[Any] | None:
@@ -303,19 +315,34 @@ def _array_signature(array: np.ndarray[Any, Any]) -> tuple[Any, ...]:
     return array.shape, array.strides, array.dtype, array.flags.writeable  # memory: not swappable
 
 
+def _built_array_signature(array: np.ndarray[Any, Any], spec: ArraySpec | None) -> tuple[Any, ...]:
+    return _array_signature(array)
+
+
 def _tensor_signature(tensor: Any) -> tuple[Any, ...]:
     return tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype
 
 
+def _built_tensor_signature(tensor: Any, spec: ArraySpec | None) -> tuple[Any, ...]:
+    if spec is None or spec.layout is None or spec.lib in DEVICE_LIBS:
+        return _tensor_signature(tensor)
+    return (tensor.data_ptr(), *spec.layout)  # what `_materialize` made: contiguous, as `spec` says
+
+
 class Aliasing(NamedTuple):
     """How a repeat hit checks a value of one type returned earlier (`signature`: the memory it
-    points at, its shape, strides and dtype) and makes a new handle of it (`alias`)."""
+    points at, its shape, strides and dtype) and makes a new handle of it (`alias`). `built` is
+    `signature` of a value `materialize` just built over `spec` (its single array), read from
+    the spec where it can (cheaper)."""
 
     signature: Callable[[Any], tuple[Any, ...]]
     alias: Callable[[Any], Value]
+    built: Callable[[Any, ArraySpec | None], tuple[Any, ...]]
 
 
-_ALIASING_BY_TYPE: dict[type, Aliasing] = {np.ndarray: Aliasing(_array_signature, np.ndarray.view)}
+_ALIASING_BY_TYPE: dict[type, Aliasing] = {
+    np.ndarray: Aliasing(_array_signature, np.ndarray.view, _built_array_signature)
+}
 
 
 def aliasing(value: Value) -> Aliasing | None:
@@ -328,7 +355,9 @@ def aliasing(value: Value) -> Aliasing | None:
         torch = sys.modules.get("torch")
         if torch is None or type(value) is not torch.Tensor:
             return None
-        found = _ALIASING_BY_TYPE[torch.Tensor] = Aliasing(_tensor_signature, torch.Tensor.detach)
+        found = _ALIASING_BY_TYPE[torch.Tensor] = Aliasing(
+            _tensor_signature, torch.Tensor.detach, _built_tensor_signature
+        )
     return found
 
 

@@ -238,7 +238,10 @@ class Views:
             return value
         record = GpuRecord.from_attachment(sealed.attachment) if aliased else None
         ops = decode.aliasing(value)
-        template = None if ops is None else _Template(weakref.ref(value), ops.signature(value), ops)
+        if ops is not None:
+            template = _Template(weakref.ref(value), ops.built(value, parsed.single), ops)
+        else:
+            template = None
         mapping = _Mapping(sealed, weakref.ref(holder), parsed, template, record)
         kept.append(_Kept(needle, mapping, holder))
         return value
