@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from shmcache import CacheConfig, EmbeddingCache, EmbeddingCacheKey, HiddenStatePrefix, ViewMutated
+from shmcache.node.audit import audit
 from shmcache.process.views import Views
 from shmcache.testing import sample_preprocessing
 from tests.helpers import InterruptAtLine, spawn, wait_for
@@ -223,39 +224,48 @@ def test_get_many_maps_a_batch_once_and_each_view_stays_its_own(config: CacheCon
         assert cache.stats()["corrupt_records"] == 0
 
 
-def test_an_interrupt_while_views_are_recorded_leaks_no_pin_and_never_detaches_under_a_live_view(
+def test_an_interrupt_anywhere_after_a_batchs_views_are_made_leaks_no_pin_and_releases_none_twice(
     config: CacheConfig,
 ) -> None:
-    """A SIGINT between any two lines of `Views._keep` and `_watch` (from the line after `try:`,
-    the function's entry, where a signal leaks the batch's pins until detach; up to its lock: the
-    line events a block's exit reports there are not places a signal lands) leaves every view of
-    the batch watched and counted: once they are gone nothing is referenced, and a closed cache
-    still waits for a live view before it detaches. Before: an interrupt right after the native
-    call counted none of the watched views, so their deaths drove the count negative and `close`
-    detached at once (and one before it leaked their pins)."""
+    """A SIGINT between any two lines of a `get_many` from the moment its views exist (each armed
+    in the call that made it) through every delivery, a failed delivery's give-back and `_keep`
+    leaves no pin behind once the values are gone and releases none twice (a request's pins on
+    the same entries stay), and a closed cache still waits for a live view before it
+    detaches. Before the views were armed as they are made, a signal on entry of `_keep` leaked
+    the batch's pins until the process detached."""
     source, first = inspect.getsourcelines(Views._keep)
-    try_line = first + next(i for i, text in enumerate(source) if text.strip().startswith("try:"))
     lock_line = first + next(i for i, text in enumerate(source) if "with self._lock:" in text)
-    traced = {Views._keep.__code__: None, Views._watch.__code__: None}
+    traced = {
+        Views.lookup_many.__code__: "holders",
+        Views._deliver.__code__: None,
+        Views._give_back.__code__: None,
+        Views._keep.__code__: None,
+    }
     names = ["a", "b", "c"]
     with EmbeddingCache(config) as keeper:
         cache = EmbeddingCache(config)
+        node = cache._node
         for name in names:
             cache.put(_key(name), torch.full((4096,), len(name), dtype=torch.uint8))
-        at = 1  # 0: the `try:` line
-        while True:
+            assert cache.hold(_key(name), "held")  # a pin a second release would take away
+        at = 0
+        while True:  # up to `_keep`'s lock (the line event a block's exit reports is no place a signal lands)
             interrupter = InterruptAtLine(at, traced)
             values = None
             with pytest.raises(KeyboardInterrupt), interrupter.tracing():
                 values = cache.get_many([_key(name) for name in names])
-            assert interrupter.fired and interrupter.line != try_line, at
+            assert interrupter.fired, at
             del values
             gc.collect()
             cache.flush_releases()
-            assert cache.stats()["references"] == 0, (at, interrupter.line)  # no pin left behind
-            if interrupter.line >= lock_line:
+            assert cache.stats()["references"] == 3, (at, interrupter.line)  # none left behind, none twice
+            assert len(node.pins.held()) == 3 and audit(node) == [], (at, interrupter.line)
+            if interrupter.line == lock_line:
                 break
             at += 1
+        assert at > 20  # the sweep crossed every delivery of the batch
+        assert [int(v[0]) for v in cache.get_many([_key(name) for name in names])] == [1, 1, 1]
+        cache.cleanup_request("held")
         live = cache.get(_key("a"))
         cache.close()
         assert keeper.stats()["clients"] == 2  # the closed cache waits for its live view

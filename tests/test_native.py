@@ -190,25 +190,23 @@ def test_a_views_mapping_reports_its_death_once_after_the_last_derived_array(tmp
     os.ftruncate(fd, 1 << 16)
     mapper = CowMapper(fd)
     calls: list[str] = []
-    view, other, third = mapper.view(5000, 1000), *mapper.view_many([(0, 10), (20, 10)])
-    mapper.on_deaths([view], calls.append, ["released"])
-    assert mapper.watched() == 1 and mapper.is_watched(view) and not mapper.is_watched(other)
-    with pytest.raises(RuntimeError, match="already"):  # all or nothing: `other` is not watched
-        mapper.on_deaths([other, view], calls.append, ["other", "twice"])
-    with pytest.raises(RuntimeError, match="already"):
-        mapper.on_deaths([other, other], calls.append, ["other", "other again"])
+    view = mapper.watched_view(5000, 1000, calls.append, "released")
+    other, third = mapper.watched_views([(0, 10), (20, 10)], calls.append, ["other", "third"])
+    plain, *_ = mapper.view_many([(40, 10)])
+    assert mapper.watched() == 3 and mapper.is_watched(view) and mapper.is_watched(third)
+    assert not mapper.is_watched(plain) and not mapper.disarm(plain)
     with pytest.raises(TypeError):
-        mapper.on_deaths([third, np.zeros(4, dtype=np.uint8)], calls.append, ["third", "not a view"])
+        mapper.watched_views([(0, 10), (20, 10)], calls.append, ["one arg for two views"])
     with pytest.raises(TypeError):
-        mapper.on_deaths([third], calls.append, [])
-    assert mapper.watched() == 1 and not mapper.is_watched(other) and not mapper.is_watched(third)
+        mapper.disarm(np.zeros(4, dtype=np.uint8))  # not a view
+    assert mapper.disarm(other) and not mapper.is_watched(other) and not mapper.disarm(other)
+    assert mapper.watched() == 2
     derived = view[10:20]
-    del view, other
+    del view, other, plain
     gc.collect()
-    assert calls == []  # a derived array still reads the mapping; `other` was never watched
+    assert calls == []  # a derived array still reads the mapping; `other` was disarmed
     del derived
     assert calls == ["released"]
-    mapper.on_deaths([third], calls.append, ["third"])
     del third
     assert calls == ["released", "third"] and mapper.watched() == 2
     mapper.close()

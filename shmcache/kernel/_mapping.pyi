@@ -1,7 +1,7 @@
 """Type stub of the copy-on-write mapping extension (mapping.c)."""
 
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 import numpy as np
 from typing_extensions import Buffer
@@ -17,18 +17,28 @@ class Pool:
     views are kept for the next view of the same pages."""
 
     def __init__(self, fd: int) -> None: ...
+    @overload
     def map(self, offset: int, size: int, /) -> np.ndarray[Any, np.dtype[np.uint8]]: ...
+    @overload
+    def map(
+        self, offset: int, size: int, on_death: Callable[[_T], object], arg: _T, /
+    ) -> np.ndarray[Any, np.dtype[np.uint8]]: ...
+    @overload
     def map_many(
         self, offsets: list[int], sizes: list[int], /
     ) -> list[np.ndarray[Any, np.dtype[np.uint8]]]: ...
-    def on_deaths(self, views: list[Any], callback: Callable[[_T], object], args: list[_T], /) -> None: ...
+    @overload
+    def map_many(
+        self, offsets: list[int], sizes: list[int], on_death: Callable[[_T], object], args: list[_T], /
+    ) -> list[np.ndarray[Any, np.dtype[np.uint8]]]: ...
+    def disarm(self, view: Any, /) -> bool: ...
     def watched(self) -> int: ...
     def close(self) -> None: ...
     def idle(self) -> int: ...
 
 def is_watched(view: Any, /) -> bool:
-    """Whether a pool's `on_deaths` watches the death of the bytes under the numpy array `view`
-    (`TypeError`: not a view of a Mapping)."""
+    """Whether the death of the bytes under the numpy array `view` calls the `on_death` it was
+    made with (`TypeError`: not a view of a Mapping)."""
 
 def copy_into(destination: Buffer, source: Buffer, /) -> None:
     """Copy the bytes of `source` to the start of the writable `destination` (from 2 MiB on x86-64

@@ -71,27 +71,38 @@ class CowMapper:
         gone. `CapacityError` if the process cannot map more (vm.max_map_count, address space)."""
         return self._open().map(offset, size)
 
+    def watched_view(
+        self, offset: int, size: int, on_death: Callable[[T], object], arg: T
+    ) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        """`view` whose death calls `on_death(arg)` once, right after the array and everything
+        derived from it are gone; `watched()` counts it from the moment it is made (one native
+        step: no signal lands between)."""
+        return self._open().map(offset, size, on_death, arg)
+
     def view_many(self, extents: list[tuple[int, int]]) -> list[np.ndarray[Any, np.dtype[np.uint8]]]:
-        """`view` of each (offset, size), in order, in one call: nearby extents share a mapping
-        (one system call per run of them); each array reports its own death to `on_deaths`."""
+        """`view` of each (offset, size), in order, in one call, all or none: nearby extents share
+        a mapping (one system call per run of them)."""
         return self._open().map_many([o for o, _ in extents], [n for _, n in extents])
 
-    def on_deaths(
-        self, views: list[np.ndarray[Any, np.dtype[np.uint8]]], callback: Callable[[T], object], args: list[T]
-    ) -> None:
-        """Call `callback(args[i])` once, right after the bytes under `views[i]` (made by `view()`
-        or `view_many()`) became unreachable: when it and everything derived from it are gone;
-        `watched()` counts them in the same step. All or nothing: `TypeError` for anything but
-        such views, `RuntimeError` for a view watched already, and then none of them is watched."""
-        self._pool.on_deaths(views, callback, args)
+    def watched_views(
+        self, extents: list[tuple[int, int]], on_death: Callable[[T], object], args: list[T]
+    ) -> list[np.ndarray[Any, np.dtype[np.uint8]]]:
+        """`view_many` whose views each call `on_death(args[i])` at their own death, as
+        `watched_view`'s."""
+        return self._open().map_many([o for o, _ in extents], [n for _, n in extents], on_death, args)
+
+    def disarm(self, view: np.ndarray[Any, np.dtype[np.uint8]]) -> bool:
+        """`view`'s death calls nothing after all, and `watched()` no longer counts it (its caller
+        gives its pin back itself); False if it was not armed. `TypeError` for anything but a view."""
+        return self._pool.disarm(view)
 
     def watched(self) -> int:
-        """How many views `on_deaths` has watched so far (counted as it watches them)."""
+        """How many watched views were made so far, less those disarmed."""
         return self._pool.watched()
 
     @staticmethod
     def is_watched(view: np.ndarray[Any, np.dtype[np.uint8]]) -> bool:
-        """Whether `on_deaths` watches the death of the bytes under `view`."""
+        """Whether the death of the bytes under `view` calls its `on_death`."""
         return _mapping.is_watched(view)
 
     def idle(self) -> int:

@@ -13,6 +13,9 @@
  * window object holding that mapping, which is unmapped when the last of its windows dies.
  * A view is handed out as a numpy uint8 array made here over its Mapping (the array's base), so a
  * get makes no array in Python; an array derived from it keeps it, and so the Mapping, alive.
+ * A view can be armed as it is made: its Mapping then calls on_death(arg) right after its bytes
+ * became unreachable (a reader's view pin goes back then), counted in `watched` in the same
+ * step, so no signal can land between making a view and watching it.
  * `copy_into` is how a writer fills shared memory (see there).
  */
 #define PY_SSIZE_T_CLEAN
@@ -57,7 +60,7 @@ typedef struct {
     idle_t idle[IDLE_MAX]; /* oldest first */
     int n_idle;
     size_t idle_bytes;
-    unsigned long long watched; /* views whose death on_deaths watches, ever: counted as it watches */
+    unsigned long long watched; /* views armed, ever, less those disarmed: counted as they are */
 } Pool;
 
 /* Bytes of a private (copy-on-write) mapping of a file's pages, exported as a writable buffer.
@@ -309,16 +312,40 @@ static int check_open(Pool *pool) {
     return 0;
 }
 
+/* Have the fresh view `view` (its base a Mapping with no death set) call on_death(arg) once, right
+ * after its bytes became unreachable, counted in `watched` in the same step: the view is made and
+ * armed in one native call, so no signal lands between the two. */
+static void arm(Pool *pool, PyObject *view, PyObject *on_death, PyObject *arg) {
+    Mapping *m = (Mapping *)PyArray_BASE((PyArrayObject *)view);
+    m->on_death = Py_NewRef(on_death);
+    m->death_arg = Py_NewRef(arg);
+    pool->watched++;
+}
+
+/* The death a map call asks for: none with 2 arguments, (on_death, arg) with 4; -1 with TypeError
+ * for anything else. */
+static int death_of(PyObject *const *args, Py_ssize_t nargs, const char *usage) {
+    if (nargs == 2) {
+        return 0;
+    }
+    if (nargs == 4 && PyCallable_Check(args[2])) {
+        return 1;
+    }
+    PyErr_SetString(PyExc_TypeError, usage);
+    return -1;
+}
+
 static PyObject *Pool_map(Pool *pool, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "map(offset, size)");
-        return NULL;
-    }
+    int death = death_of(args, nargs, "map(offset, size[, on_death, arg])");
     Py_ssize_t offset, size;
-    if (check_open(pool) < 0 || as_extent(args[0], args[1], &offset, &size) < 0) {
+    if (death < 0 || check_open(pool) < 0 || as_extent(args[0], args[1], &offset, &size) < 0) {
         return NULL;
     }
-    return as_array(map_pages(pool, offset, offset + size, 1));
+    PyObject *view = as_array(map_pages(pool, offset, offset + size, 1));
+    if (view != NULL && death) {
+        arm(pool, view, args[2], args[3]);
+    }
+    return view;
 }
 
 typedef struct {
@@ -361,9 +388,14 @@ static int map_runs(Pool *pool, extent_t *extents, Py_ssize_t n, PyObject *out) 
 }
 
 static PyObject *Pool_map_many(Pool *pool, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2 || !PyList_Check(args[0]) || !PyList_Check(args[1]) ||
-        PyList_GET_SIZE(args[0]) != PyList_GET_SIZE(args[1])) {
-        PyErr_SetString(PyExc_TypeError, "map_many(offsets, sizes): two lists of one length");
+    static const char usage[] = "map_many(offsets, sizes[, on_death, args]): lists of one length";
+    int death = death_of(args, nargs, usage);
+    if (death < 0) {
+        return NULL;
+    }
+    if (!PyList_Check(args[0]) || !PyList_Check(args[1]) || PyList_GET_SIZE(args[0]) != PyList_GET_SIZE(args[1]) ||
+        (death && (!PyList_Check(args[3]) || PyList_GET_SIZE(args[3]) != PyList_GET_SIZE(args[0])))) {
+        PyErr_SetString(PyExc_TypeError, usage);
         return NULL;
     }
     if (check_open(pool) < 0) {
@@ -385,9 +417,12 @@ static PyObject *Pool_map_many(Pool *pool, PyObject *const *args, Py_ssize_t nar
     qsort(extents, (size_t)n, sizeof(extent_t), by_offset);
     PyObject *out = PyList_New(n); /* items NULL until set: a list dealloc skips them */
     if (out != NULL && map_runs(pool, extents, n, out) < 0) {
-        Py_CLEAR(out);
+        Py_CLEAR(out); /* nothing armed yet: the views made so far die silently */
     }
     PyMem_Free(extents);
+    for (Py_ssize_t i = 0; out != NULL && death && i < n; i++) { /* all made: arm them all */
+        arm(pool, PyList_GET_ITEM(out, i), args[2], PyList_GET_ITEM(args[3], i));
+    }
     return out;
 }
 
@@ -434,56 +469,29 @@ static Mapping *mapping_of(PyObject *view) {
     return (Mapping *)Py_NewRef(base);
 }
 
-/* pool.on_deaths(views, callback, args): each view's mapping calls callback(args[i]) once, right
- * after its bytes became unreachable, and `pool.watched()` counts them, in the same step (the GIL
- * is held throughout: no Python code runs between the two, so no signal lands there). All or
- * nothing: TypeError (not views, or lengths differ) or RuntimeError (a view already watched, in an
- * earlier call or twice in this one) set and count none. */
-static PyObject *Pool_on_deaths(Pool *pool, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3 || !PyList_Check(args[0]) || !PyCallable_Check(args[1]) || !PyList_Check(args[2]) ||
-        PyList_GET_SIZE(args[0]) != PyList_GET_SIZE(args[2])) {
-        PyErr_SetString(PyExc_TypeError, "on_deaths(views, callback, args): two lists of one length and a callable");
+/* pool.disarm(view): the view's death calls nothing after all (it was armed by map or map_many),
+ * and `watched` no longer counts it; False if it was not armed. For a caller that gives the
+ * view's pin back itself (a view it will not hand out). */
+static PyObject *Pool_disarm(Pool *pool, PyObject *view) {
+    Mapping *m = mapping_of(view);
+    if (m == NULL) {
         return NULL;
     }
-    PyObject *views = PyList_AsTuple(args[0]), *deaths = PyList_AsTuple(args[2]); /* ours: no list changes */
-    PyObject *set = views == NULL || deaths == NULL ? NULL : PyList_New(0); /* the mappings set so far */
-    int failed = set == NULL;
-    for (Py_ssize_t i = 0; !failed && i < PyTuple_GET_SIZE(views); i++) {
-        Mapping *m = mapping_of(PyTuple_GET_ITEM(views, i));
-        failed = m == NULL;
-        if (!failed && m->on_death != NULL) {
-            PyErr_SetString(PyExc_RuntimeError, "on_deaths: a view's death is already watched");
-            failed = 1;
-        } else if (!failed && PyList_Append(set, (PyObject *)m) == 0) {
-            m->on_death = Py_NewRef(args[1]);
-            m->death_arg = Py_NewRef(PyTuple_GET_ITEM(deaths, i));
-        } else {
-            failed = 1;
-        }
-        Py_XDECREF(m); /* the view (and `set`) hold it */
-    }
-    for (Py_ssize_t i = 0; failed && set != NULL && i < PyList_GET_SIZE(set); i++) { /* undo them all */
-        Mapping *m = (Mapping *)PyList_GET_ITEM(set, i);
+    int armed = m->on_death != NULL;
+    if (armed) {
         Py_CLEAR(m->on_death);
         Py_CLEAR(m->death_arg);
+        pool->watched--;
     }
-    if (!failed) {
-        pool->watched += (unsigned long long)PyList_GET_SIZE(set);
-    }
-    Py_XDECREF(set);
-    Py_XDECREF(views);
-    Py_XDECREF(deaths);
-    if (failed) {
-        return NULL;
-    }
-    Py_RETURN_NONE;
+    Py_DECREF(m);
+    return PyBool_FromLong(armed);
 }
 
 static PyObject *Pool_watched(Pool *pool, PyObject *Py_UNUSED(ignored)) {
     return PyLong_FromUnsignedLongLong(pool->watched);
 }
 
-/* is_watched(view): whether the death of the view's mapping is watched (set by on_deaths). */
+/* is_watched(view): whether the death of the view's mapping is watched (armed by map or map_many). */
 static PyObject *is_watched(PyObject *Py_UNUSED(module), PyObject *view) {
     Mapping *m = mapping_of(view);
     if (m == NULL) {
@@ -496,16 +504,19 @@ static PyObject *is_watched(PyObject *Py_UNUSED(module), PyObject *view) {
 
 static PyMethodDef Pool_methods[] = {
     {"map", (PyCFunction)(void (*)(void))Pool_map, METH_FASTCALL,
-     "map(offset, size): a writable uint8 numpy array of those bytes of the file (copy-on-write), "
-     "over a Mapping (its base)."},
+     "map(offset, size[, on_death, arg]): a writable uint8 numpy array of those bytes of the file "
+     "(copy-on-write), over a Mapping (its base); with on_death, its bytes call on_death(arg) once, "
+     "right after they became unreachable (the view and every array derived from it gone), "
+     "counted in watched() as it is made."},
     {"map_many", (PyCFunction)(void (*)(void))Pool_map_many, METH_FASTCALL,
-     "map_many(offsets, sizes): such an array per extent, in order; nearby extents share one "
+     "map_many(offsets, sizes[, on_death, args]): such an array per extent, in order (with on_death, "
+     "each calls on_death(args[i]) at its death), all or none; nearby extents share one "
      "copy-on-write mapping, unmapped when the last of them dies."},
-    {"on_deaths", (PyCFunction)(void (*)(void))Pool_on_deaths, METH_FASTCALL,
-     "on_deaths(views, callback, args): each view's bytes call callback(args[i]) once, right after "
-     "they became unreachable (the view and every array derived from it gone), counted in "
-     "watched(); all or nothing."},
-    {"watched", (PyCFunction)Pool_watched, METH_NOARGS, "watched(): how many views on_deaths has watched."},
+    {"disarm", (PyCFunction)Pool_disarm, METH_O,
+     "disarm(view): its death calls nothing after all, and watched() no longer counts it; False if "
+     "it was not armed."},
+    {"watched", (PyCFunction)Pool_watched, METH_NOARGS,
+     "watched(): how many views map and map_many armed, less those disarmed."},
     {"close", (PyCFunction)Pool_close, METH_NOARGS,
      "close(): unmap the idle mappings and make no more (views made earlier stay valid)."},
     {"idle", (PyCFunction)Pool_idle, METH_NOARGS, "idle(): how many reset mappings wait for reuse."},
@@ -596,7 +607,7 @@ static PyObject *copy_into(PyObject *Py_UNUSED(module), PyObject *const *args, P
 
 static PyMethodDef mapping_methods[] = {
     {"is_watched", (PyCFunction)is_watched, METH_O,
-     "is_watched(view): whether a pool's on_deaths watches the death of the view's bytes."},
+     "is_watched(view): whether the death of the view's bytes is watched (armed by map or map_many)."},
     {"copy_into", (PyCFunction)(void (*)(void))copy_into, METH_FASTCALL,
      "copy_into(destination, source): copy the bytes of `source` to the start of the writable "
      "`destination` (from 2 MiB on x86-64 they bypass the cache; the GIL released from 64 KiB)."},

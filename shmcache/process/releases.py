@@ -2,7 +2,8 @@
 
 Every zero-copy view derives from one holder array per mapping; when the holder dies its mapping
 is given back (reset, kept for reuse, or unmapped) and only enqueues its (slot, gen) and rings a
-bell (`CowMapper.on_deaths`: two `SimpleQueue.put`, safe in a deallocator). One daemon thread per
+bell (the `on_death` the view was made with, `CowMapper.watched_view`: two `SimpleQueue.put`, safe in a
+deallocator). One daemon thread per
 cache wakes on the bell, pauses a few milliseconds so releases batch, waits for GPU work still
 reading released device aliases, then drops the pins in one node transaction. The pause holds no
 pin back: `release_now` (an allocation that found the arena full, a claim that found its stripe
@@ -45,8 +46,8 @@ def _drain(items: queue.SimpleQueue[Any]) -> list[Any]:
 
 class Releases:
     """Counts this process's live views and releases their pins when they die. A view is live from
-    the moment its death is watched (`watched()` counts it in the same native step, so no signal
-    can leave a watched view uncounted) until its pin is released here."""
+    the moment it is made (`watched()` counts it in the same native step, so no signal can leave
+    a watched view uncounted) until its pin is released here."""
 
     def __init__(
         self, node: NodeIndex, device: DeviceSide, on_idle: Callable[[], None], watched: Callable[[], int]

@@ -59,15 +59,6 @@ class _Template(NamedTuple):
     aliasing: decode.Aliasing  # how to check it again and alias it
 
 
-class _Kept(NamedTuple):
-    """A view just delivered, before `Views._keep` records it: its needle, its mapping's record
-    and the view's holder array (held here, so it cannot die before its death is watched)."""
-
-    needle: bytes
-    mapping: _Mapping
-    holder: np.ndarray
-
-
 class Views:
     """Builds returned values over the arena and serves repeat hits from live mappings."""
 
@@ -157,29 +148,30 @@ class Views:
         self, keys: Sequence[EmbeddingCacheKey], needles: list[bytes], request_id: RequestId | None
     ) -> list[Value | None]:
         """`lookup` of every key, in order: repeat hits first, the rest in one native lookup,
-        their views made in one call."""
+        their views made (and watched) in one call."""
         out = [self.repeat_hit(needle, key, request_id) for key, needle in zip(keys, needles, strict=True)]
         todo = [i for i, value in enumerate(out) if value is None]
         node, pins = self._node, self.pins_for(request_id)
         found = node.lookups.lookup_many([needles[i] for i in todo], pins, node.release)
         try:  # from here on every hit's pins are given back if anything fails
             hits = [(i, sealed) for i, sealed in zip(todo, found, strict=True) if sealed is not None]
-            holders = self._arena.view_many([(sealed.offset, sealed.size) for _, sealed in hits])
-        except BaseException:
+            holders = self._views([sealed for _, sealed in hits])
+        except BaseException:  # no view was made: all or none
             node.release(
                 [(sealed.slot, sealed.gen) for sealed in found if sealed is not None for _ in range(pins)]
             )
             raise
-        kept: list[_Kept] = []
+        kept: dict[bytes, _Mapping] = {}
         try:
             for n, ((i, sealed), holder) in enumerate(zip(hits, holders, strict=True)):
                 try:
                     out[i] = self._deliver(keys[i], needles[i], sealed, request_id, holder, kept)
                 except BaseException:  # the hits not yet delivered give their pins back
-                    node.release([(hit.slot, hit.gen) for _, hit in hits[n + 1 :] for _ in range(pins)])
+                    for (_, hit), left in zip(hits[n + 1 :], holders[n + 1 :], strict=True):
+                        self._give_back(hit, left, pins)
                     raise
         finally:
-            self._keep(kept)  # once for the batch: one lock, one count
+            self._keep(kept)  # once for the batch: one lock
         return out
 
     def hold(self, needle: bytes, request_id: RequestId) -> bool:
@@ -195,11 +187,34 @@ class Views:
     ) -> Value | None:
         """Turn an entry pinned `pins_for(request_id)` times into the returned value; None (pins
         given back, entry dropped) if it fails verification."""
-        kept: list[_Kept] = []
+        kept: dict[bytes, _Mapping] = {}
         try:
             return self._deliver(key, needle, sealed, request_id, None, kept)
         finally:
             self._keep(kept)
+
+    def _views(self, entries: list[SealedEntry]) -> list[np.ndarray]:
+        """A view of each pinned entry, in one call; in view mode each one's death enqueues the
+        release of its view pin, watched from the moment it is made."""
+        extents = [(sealed.offset, sealed.size) for sealed in entries]
+        if self._clone:  # the copy is returned: the pins are given back right after it
+            return self._arena.view_many(extents)
+        return self._arena.watched_views(extents, self._releases.enqueue, [(e.slot, e.gen) for e in entries])
+
+    def _view(self, sealed: SealedEntry) -> np.ndarray:
+        """`_views` of one entry."""
+        if self._clone:
+            return self._arena.view(sealed.offset, sealed.size)
+        return self._arena.watched_view(
+            sealed.offset, sealed.size, self._releases.enqueue, (sealed.slot, sealed.gen)
+        )
+
+    def _give_back(self, sealed: SealedEntry, holder: np.ndarray | None, pins: int) -> None:
+        """Release the `pins` of an entry not delivered after all, its view's pin included (the
+        view's death then releases nothing)."""
+        if holder is not None:
+            self._arena.disarm(holder)
+        self._node.release([(sealed.slot, sealed.gen)] * pins)
 
     def _deliver(
         self,
@@ -208,27 +223,26 @@ class Views:
         sealed: SealedEntry,
         request_id: RequestId | None,
         holder: np.ndarray | None,
-        kept: list[_Kept],
+        kept: dict[bytes, _Mapping],
     ) -> Value | None:
-        """`deliver` over `holder` (its view made by `view_many`, or None: a view made here); a
-        view mapping's record is appended to `kept`, for the caller's `_keep` (which must follow,
-        whatever happens: the record holds the mapping alive until its death is watched)."""
+        """`deliver` over `holder` (its view made by `_views`, or None: a view made here); a view
+        mapping's record goes into `kept`, for the caller's `_keep`."""
         node, slot, gen = self._node, sealed.slot, sealed.gen
         # a copy-on-write mapping of the entry (no write reaches the node's copy), made straight
         # as an array (not sliced from another), so that every array derived from it keeps it as
         # its base: its mapping's death then releases the view pin
         try:
             if holder is None:
-                holder = self._arena.view(sealed.offset, sealed.size)
+                holder = self._view(sealed)
             value, parsed, aliased = self._build(key, needle, holder, sealed)
         except CorruptValue as exc:
             node.count(Counter.CORRUPT_RECORDS)
             log.warning("shmcache: dropping entry %r: %s", key, str(exc))
-            node.release([(slot, gen)] * self.pins_for(request_id))
+            self._give_back(sealed, holder, self.pins_for(request_id))
             node.drop(slot, gen)
             return None
         except BaseException:  # ViewMutated, MemoryError, ...: give the pins back, then report it
-            node.release([(slot, gen)] * self.pins_for(request_id))
+            self._give_back(sealed, holder, self.pins_for(request_id))
             raise
         if request_id is not None:
             self._requests.add(request_id, slot, gen)
@@ -242,25 +256,16 @@ class Views:
             template = _Template(weakref.ref(value), ops.built(value, parsed.single), ops)
         else:
             template = None
-        mapping = _Mapping(sealed, weakref.ref(holder), parsed, template, record)
-        kept.append(_Kept(needle, mapping, holder))
+        kept[needle] = _Mapping(sealed, weakref.ref(holder), parsed, template, record)
         return value
 
-    def _keep(self, kept: list[_Kept]) -> None:
-        """Have each delivered view's death release its view pin (counted live until then), and
-        remember its mapping as the newest of its needle. Past the bound, the oldest dead
-        mappings go down to `REMEMBERED`, and the next sweep waits until twice as many are held
-        (each sweep is paid for by the deliveries since the last). A signal that lands before
-        the native watch leaves the rest to be watched here, one after it leaves nothing to do;
-        one on entry, before the first line, leaks the batch's pins until this process detaches."""
-        try:  # first the pins' safety: each holder is alive in `kept` until its death is watched
-            self._watch(kept)
-        except BaseException:
-            self._watch([k for k in kept if not self._arena.is_watched(k.holder)])
-            raise
+    def _keep(self, kept: dict[bytes, _Mapping]) -> None:
+        """Remember each delivered view's mapping as the newest of its needle. Past the bound, the
+        oldest dead mappings go down to `REMEMBERED`, and the next sweep waits until twice as many
+        are held (each sweep is paid for by the deliveries since the last)."""
         with self._lock:
             local = self._local
-            for needle, mapping, _ in kept:
+            for needle, mapping in kept.items():
                 local.pop(needle, None)  # to the end: dicts keep insertion order
                 local[needle] = mapping
             if len(local) > self._bound:
@@ -268,14 +273,6 @@ class Views:
                 for old in [n for n, m in local.items() if m.holder() is None][:excess]:
                     del local[old]
                 self._bound = max(REMEMBERED, 2 * len(local))
-
-    def _watch(self, kept: list[_Kept]) -> None:
-        """Have each holder's death enqueue the release of its view pin (counted live until then)."""
-        self._arena.on_deaths(
-            [k.holder for k in kept],
-            self._releases.enqueue,
-            [(k.mapping.sealed.slot, k.mapping.sealed.gen) for k in kept],
-        )
 
     def _build(
         self, key: EmbeddingCacheKey, needle: bytes, holder: np.ndarray, sealed: SealedEntry
