@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from shmcache import CorruptValue, HiddenStatePrefix, UnsupportedValue
 from shmcache.format import _arrays
 from shmcache.format.decode import aliasing, decode, parse
-from shmcache.format.values import ALIGNMENT, encode, plan
+from shmcache.format.values import ALIGNMENT, DESCRIPTOR, DIM, HEADER, encode, plan
 from shmcache.keys.dtypes import _torch_dtypes
 
 
@@ -167,6 +167,19 @@ def test_corrupted_headers_raise_corrupt_value() -> None:
     for cut in (0, 10, 31, 32, 100, len(good) - 1):
         with pytest.raises(CorruptValue):
             decode(bytes(good[:cut]))
+
+
+@pytest.mark.parametrize("value", [torch.empty(0, 4), np.empty((0, 4), np.float32)], ids=["torch", "numpy"])
+@pytest.mark.parametrize("huge", [1 << 63, 1 << 61])
+def test_a_huge_dimension_beside_a_zero_one_is_a_corrupt_value(value: object, huge: int) -> None:
+    broken = bytearray(encode(value))  # 0 bytes of payload match any second dimension
+    second_dim = HEADER.size + DESCRIPTOR.size + DIM.size
+    assert struct.unpack_from("<Q", broken, second_dim) == (4,)
+    struct.pack_into("<Q", broken, second_dim, huge)
+    with pytest.raises(CorruptValue, match="out of range"):
+        decode(bytes(broken))
+    struct.pack_into("<Q", broken, second_dim, 1 << 49)  # absurd, but an empty array can have it
+    assert tuple(decode(bytes(broken)).shape) == (0, 1 << 49)
 
 
 @settings(max_examples=400, deadline=None)

@@ -59,9 +59,12 @@ static PyObject *array(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ss
     }
     PyArray_Descr *dtype = (PyArray_Descr *)args[2];
     Py_ssize_t offset = PyLong_AsSsize_t(args[1]), count, itemsize = PyDataType_ELSIZE(dtype);
+    if (offset == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
     npy_intp dims[MAX_DIMS];
     int ndim, writeable = PyObject_IsTrue(args[4]);
-    if ((offset == -1 && PyErr_Occurred()) || writeable < 0 || read_shape(args[3], dims, &ndim, &count) < 0) {
+    if (writeable < 0 || read_shape(args[3], dims, &ndim, &count) < 0) {
         return NULL;
     }
     Py_ssize_t length = PyArray_DIM(buffer, 0);

@@ -82,6 +82,7 @@ class ParsedValue:
 
 
 _BYTE: np.dtype[np.uint8] = np.dtype(np.uint8)
+_MAX_SPAN = 1 << 62  # bytes an array's nonzero dimensions may span (its strides then fit in 64 bits)
 _parsed_heads: dict[bytes, ParsedValue] = {}
 _PARSED_HEADS_MAX = 4096
 
@@ -176,9 +177,10 @@ def _read_descriptor(
 
 
 def _spec(lib: int, dtype: str, shape: tuple[int, ...], offset: int, nbytes: int, name: str) -> ArraySpec:
-    count = 1
+    count, span = 1, 1
     for dim in shape:
         count *= dim
+        span *= max(dim, 1)
     try:
         if lib not in TORCH_LIBS:
             np_dtype: np.dtype[Any] | None = numpy_dtype(dtype)
@@ -190,6 +192,8 @@ def _spec(lib: int, dtype: str, shape: tuple[int, ...], offset: int, nbytes: int
             np_dtype = _numpy_twin(dtype, itemsize)
     except UnsupportedValue as exc:
         raise CorruptValue(str(exc)) from None
+    if span * itemsize > _MAX_SPAN:  # a zero dimension beside a huge one: strides would overflow
+        raise CorruptValue(f"array dimensions {list(shape)} out of range")
     if count * itemsize != nbytes:
         raise CorruptValue(f"array of {dtype} {list(shape)} does not match its {nbytes} bytes")
     layout = None if torch_type is None else (shape, _contiguous_strides(shape), torch_type)
