@@ -2,15 +2,15 @@
 
 Every zero-copy view derives from one holder array per mapping; when the holder dies its mapping
 is given back (reset, kept for reuse, or unmapped) and only enqueues its (slot, gen) and rings a
-bell (the `on_death` the view was made with, `CowMapper.watched_view`: two `SimpleQueue.put`, safe in a
-deallocator). One daemon thread per
-cache wakes on the bell, pauses a few milliseconds so releases batch, waits for GPU work still
-reading released device aliases, then drops the pins in one node transaction. The pause holds no
-pin back: `release_now` (an allocation that found the arena full, a claim that found its stripe
-full) and `flush` release what is queued at once in the calling thread. One batch is released at
-a time (`_releasing`), so `release_now` also waits for a batch the thread is releasing. The thread
-also runs what `later` queues before each batch: the withdraw of a reservation garbage collected
-unended (queued by its deallocator, which takes no lock itself).
+bell (the `on_death` it was made with, `CowMapper.watched_view`: two `SimpleQueue.put`, safe in
+a deallocator). One daemon thread per cache wakes on the bell, pauses a few milliseconds so
+releases batch, waits for GPU work still reading released device aliases, then drops the pins
+in one node transaction. The pause holds no pin back: `release_now` (an allocation that found the
+arena full, a claim that found its stripe full) and `flush` release what is queued at once in
+the calling thread. One batch is released at a time (`_releasing`), so `release_now` also waits
+for a batch the thread is releasing. The thread also runs what `later` queues before each batch:
+the withdraw of a reservation garbage collected unended (queued by its deallocator, which takes
+no lock itself).
 """
 
 from __future__ import annotations
