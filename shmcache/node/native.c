@@ -168,6 +168,15 @@ typedef struct {
 } bucket_t;
 
 typedef struct {
+    uint64_t start, end;
+} extent_t;
+
+typedef struct {
+    double rank; /* -1: expired, else the last access */
+    Py_ssize_t slot;
+} candidate_t;
+
+typedef struct {
     PyObject_HEAD
     Py_buffer buffer;
     char *base;
@@ -186,6 +195,11 @@ typedef struct {
     int32_t *free_pins; /* a stack of free pin record indices */
     Py_ssize_t free_top;
     PyTypeObject *sealed; /* slots.SealedEntry: a hit is one (a tuple subclass of 6 items) */
+    /* the allocator's scratch, made once (the GIL is held while either is in use, and neither
+     * scan calls back into Python): `gap`'s extents and room to sort them (2 x slots), and
+     * `evictable`'s candidates (slots) */
+    extent_t *extents;
+    candidate_t *candidates;
 } Index;
 
 static inline char *slot_at(Index *ix, Py_ssize_t slot) { return ix->base + ix->slots_off + SLOT_SIZE * slot; }
@@ -1131,9 +1145,6 @@ static PyObject *Index_expired(Index *ix, PyObject *const *args, Py_ssize_t narg
 }
 
 /* ------------------------------------------------------------- the allocator's look (rule 7) */
-typedef struct {
-    uint64_t start, end;
-} extent_t;
 
 #define RADIX_BITS 11
 #define RADIX ((size_t)1 << RADIX_BITS)
@@ -1234,10 +1245,7 @@ static PyObject *Index_gap(Index *ix, PyObject *const *args, Py_ssize_t nargs) {
         as_u64(args[1], &capacity) < 0) {
         return NULL;
     }
-    extent_t *ext = PyMem_Calloc(2 * (size_t)ix->slots, sizeof *ext); /* the extents, then room to sort */
-    if (ext == NULL) {
-        return PyErr_NoMemory();
-    }
+    extent_t *ext = ix->extents; /* the extents, then room to sort */
     Py_ssize_t n = 0;
     for (Py_ssize_t slot = 0; slot < ix->slots; slot++) {
         record_t r;
@@ -1250,9 +1258,7 @@ static PyObject *Index_gap(Index *ix, PyObject *const *args, Py_ssize_t nargs) {
             n++;
         }
     }
-    int64_t offset = first_fit(ext, ext + ix->slots, n, need, capacity);
-    PyMem_Free(ext);
-    return fit_answer(offset);
+    return fit_answer(first_fit(ext, ext + ix->slots, n, need, capacity));
 }
 
 static int append_slot(PyObject *list, Py_ssize_t slot) {
@@ -1262,10 +1268,6 @@ static int append_slot(PyObject *list, Py_ssize_t slot) {
     return rc;
 }
 
-typedef struct {
-    double rank; /* -1: expired, else the last access */
-    Py_ssize_t slot;
-} candidate_t;
 
 static int by_rank(const void *a, const void *b) {
     const candidate_t *x = a, *y = b;
@@ -1307,12 +1309,10 @@ static PyObject *Index_evictable(Index *ix, PyObject *const *args, Py_ssize_t na
         PyErr_SetString(PyExc_ValueError, "evictable: limit must be at least 1");
         return NULL;
     }
-    candidate_t *sealed = PyMem_Calloc((size_t)ix->slots, sizeof *sealed);
+    candidate_t *sealed = ix->candidates;
     PyObject *reserved = PyList_New(0);
-    if (sealed == NULL || reserved == NULL) {
-        PyMem_Free(sealed);
-        Py_XDECREF(reserved);
-        return PyErr_NoMemory();
+    if (reserved == NULL) {
+        return NULL;
     }
     Py_ssize_t n = 0;
     for (Py_ssize_t slot = 0; slot < ix->slots; slot++) {
@@ -1327,7 +1327,6 @@ static PyObject *Index_evictable(Index *ix, PyObject *const *args, Py_ssize_t na
             sealed[n].slot = slot;
             n++;
         } else if (r.state == RESERVED && append_slot(reserved, slot) < 0) {
-            PyMem_Free(sealed);
             Py_DECREF(reserved);
             return NULL;
         }
@@ -1347,7 +1346,6 @@ static PyObject *Index_evictable(Index *ix, PyObject *const *args, Py_ssize_t na
         }
         PyList_SET_ITEM(order, i, item);
     }
-    PyMem_Free(sealed);
     if (order == NULL) {
         Py_DECREF(reserved);
         return NULL;
@@ -1664,12 +1662,18 @@ static int Index_init(Index *ix, PyObject *args, PyObject *kwds) {
     }
     ix->table = PyMem_Calloc((size_t)buckets, sizeof(bucket_t));
     ix->free_pins = PyMem_Calloc((size_t)ix->pins, sizeof(int32_t));
-    if (ix->table == NULL || ix->free_pins == NULL) {
+    ix->extents = PyMem_Calloc(2 * (size_t)ix->slots, sizeof(extent_t));
+    ix->candidates = PyMem_Calloc((size_t)ix->slots, sizeof(candidate_t));
+    if (ix->table == NULL || ix->free_pins == NULL || ix->extents == NULL || ix->candidates == NULL) {
         PyBuffer_Release(&ix->buffer);
         PyMem_Free(ix->table);
         PyMem_Free(ix->free_pins);
+        PyMem_Free(ix->extents);
+        PyMem_Free(ix->candidates);
         ix->table = NULL;
         ix->free_pins = NULL;
+        ix->extents = NULL;
+        ix->candidates = NULL;
         PyErr_NoMemory();
         return -1;
     }
@@ -1693,6 +1697,8 @@ static void Index_dealloc(Index *ix) {
     }
     PyMem_Free(ix->table);
     PyMem_Free(ix->free_pins);
+    PyMem_Free(ix->extents);
+    PyMem_Free(ix->candidates);
     Py_XDECREF(ix->sealed);
     Py_TYPE(ix)->tp_free((PyObject *)ix);
 }

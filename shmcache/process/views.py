@@ -183,13 +183,19 @@ class Views:
         return True
 
     def deliver(
-        self, key: EmbeddingCacheKey, needle: bytes, sealed: SealedEntry, request_id: RequestId | None
+        self,
+        key: EmbeddingCacheKey,
+        needle: bytes,
+        sealed: SealedEntry,
+        request_id: RequestId | None,
+        checked: decode.ParsedValue | None = None,
     ) -> Value | None:
         """Turn an entry pinned `pins_for(request_id)` times into the returned value; None (pins
-        given back, entry dropped) if it fails verification."""
+        given back, entry dropped) if it fails verification. `checked`: the entry's head as its
+        sealer verified and parsed it in these very bytes (a pull), not checked again."""
         kept: dict[bytes, _Mapping] = {}
         try:
-            return self._deliver(key, needle, sealed, request_id, None, kept)
+            return self._deliver(key, needle, sealed, request_id, None, kept, checked)
         finally:
             self._keep(kept)
 
@@ -224,6 +230,7 @@ class Views:
         request_id: RequestId | None,
         holder: np.ndarray | None,
         kept: dict[bytes, _Mapping],
+        checked: decode.ParsedValue | None = None,
     ) -> Value | None:
         """`deliver` over `holder` (its view made by `_views`, or None: a view made here); a view
         mapping's record goes into `kept`, for the caller's `_keep`."""
@@ -234,7 +241,7 @@ class Views:
         try:
             if holder is None:
                 holder = self._view(sealed)
-            value, parsed, aliased = self._build(key, needle, holder, sealed)
+            value, parsed, aliased = self._build(key, needle, holder, sealed, checked)
         except CorruptValue as exc:
             node.count(Counter.CORRUPT_RECORDS)
             log.warning("shmcache: dropping entry %r: %s", key, str(exc))
@@ -275,10 +282,15 @@ class Views:
                 self._bound = max(REMEMBERED, 2 * len(local))
 
     def _build(
-        self, key: EmbeddingCacheKey, needle: bytes, holder: np.ndarray, sealed: SealedEntry
+        self,
+        key: EmbeddingCacheKey,
+        needle: bytes,
+        holder: np.ndarray,
+        sealed: SealedEntry,
+        checked: decode.ParsedValue | None,
     ) -> tuple[Value, decode.ParsedValue, bool]:
         """(value, its parsed format, whether it aliases device memory of the exporter)."""
-        parsed = self._parsed_before(needle, sealed)
+        parsed = checked if checked is not None else self._parsed_before(needle, sealed)
         if parsed is None:
             # the head is checked in the shared mapping (the same bytes: the entry is pinned), so
             # the view's pages are first touched by the consumer, if at all

@@ -177,7 +177,8 @@ class RemoteBridge:
             return NotInPlace.LARGER if fetched.outcome is Transfer.LARGER else None
         pulled = memoryview(self._arena)[offset : offset + size]
         try:
-            if not self._verified(reservation, name, pulled):
+            checked = self._verified(reservation, name, pulled)
+            if checked is None:
                 node.shrink(slot, gen, 0)
                 return None  # the caller computes
             entry.set_generation(pulled, gen)
@@ -189,7 +190,7 @@ class RemoteBridge:
         if not sealed.pinned:
             return LOOK_AGAIN  # sealed for everyone; a lookup delivers it as any hit
         key, request_id = reservation.key, reservation.request_id
-        value = self._views.deliver(key, needle_of(key), sealed, request_id)
+        value = self._views.deliver(key, needle_of(key), sealed, request_id, checked)
         return LOOK_AGAIN if value is None else value
 
     def pull_or_lease(self, reservation: Reservation) -> Pulled:
@@ -253,24 +254,24 @@ class RemoteBridge:
             values[i] = self.pull(reservations[i])
         return values
 
-    def _verified(self, reservation: Reservation, name: str, data: memoryview) -> bool:
-        """Whether pulled bytes are an intact entry of the reservation's key (else counted)."""
+    def _verified(self, reservation: Reservation, name: str, data: memoryview) -> decode.ParsedValue | None:
+        """The parsed value of pulled bytes that are an intact entry of the reservation's key;
+        None (counted) if they are not."""
         node = self._node
         if data.nbytes <= entry.ENTRY_HEADER_SIZE or data.nbytes > node.capacity:
             node.count(Counter.REMOTE_REJECTED)
-            return False
+            return None
         try:
-            decode.parse(entry.verify(data, reservation.key, None))
+            return decode.parse(entry.verify(data, reservation.key, None))
         except CorruptValue as exc:
             node.count(Counter.REMOTE_REJECTED)
             log.warning("shmcache: rejected remote value %s: %s", name, str(exc))  # not exc: frames
-            return False
-        return True
+            return None
 
     def _settle(self, reservation: Reservation, name: str, data: np.ndarray | None) -> Value | None:
         """Verify fetched bytes and seal them under `reservation` (hold the pull lock: `data` is
         in the shared pull buffer); None for a miss or a rejected value."""
-        if data is None or not self._verified(reservation, name, data.data):
+        if data is None or self._verified(reservation, name, data.data) is None:
             return None
         value = self._seal(reservation, data)
         self._node.count(Counter.HITS_REMOTE)
