@@ -87,10 +87,9 @@ class Views:
 
     def pin_late(self, sealed: SealedEntry, request_id: RequestId | None, pins: int) -> SealedEntry | None:
         """For a seal that found this process out of pin records (`sealed.pinned` False): take the
-        `pins` it asked for now (`add_ref` releases the dead views' pins first); the entry
-        pinned, or None (the caller keeps its own value) if it left meanwhile or, without a
-        request, there are still none. `PinLimitReached` if a request asked to hold it and there
-        are none (before, its reference was silently not taken)."""
+        `pins` it asked for now (`add_ref` releases the dead views' pins first); the entry pinned,
+        or None (the caller keeps its own value) if it left meanwhile or, without a request, there
+        are still none. `PinLimitReached` if a request asked to hold it and there are none."""
         try:
             if self._node.add_ref(sealed.slot, sealed.gen, pins):
                 return sealed._replace(pinned=True)
@@ -190,9 +189,8 @@ class Views:
         request_id: RequestId | None,
         checked: decode.ParsedValue | None = None,
     ) -> Value | None:
-        """Turn an entry pinned `pins_for(request_id)` times into the returned value; None (pins
-        given back, entry dropped) if it fails verification. `checked`: the entry's head as its
-        sealer verified and parsed it in these very bytes (a pull), not checked again."""
+        """Turn an entry pinned `pins_for(request_id)` times into the returned value; None (pins given
+        back, entry dropped) if it fails verification. `checked`: its head as verified here (a pull)."""
         kept: dict[bytes, _Mapping] = {}
         try:
             return self._deliver(key, needle, sealed, request_id, None, kept, checked)
@@ -232,8 +230,8 @@ class Views:
         kept: dict[bytes, _Mapping],
         checked: decode.ParsedValue | None = None,
     ) -> Value | None:
-        """`deliver` over `holder` (its view made by `_views`, or None: a view made here); a view
-        mapping's record goes into `kept`, for the caller's `_keep`."""
+        """`deliver` over `holder` (its view made by `_views`, or None: made here); the mapping's
+        record goes into `kept`, for the caller's `_keep`."""
         node, slot, gen = self._node, sealed.slot, sealed.gen
         # a copy-on-write mapping of the entry (no write reaches the node's copy), made straight
         # as an array (not sliced from another), so that every array derived from it keeps it as
@@ -307,10 +305,9 @@ class Views:
         return value, parsed, False
 
     def _parsed_before(self, needle: bytes, sealed: SealedEntry) -> decode.ParsedValue | None:
-        """The head this process checked and parsed when it last delivered `needle`, if that was
-        this very entry, (slot, gen) at the same extent with the same attachment: a sealed entry's
-        bytes never change, and a new reservation of the slot is a new generation (the extent is
-        checked too, in case a damaged record's repair ever handed a generation out twice)."""
+        """The head this process checked and parsed when it last delivered `needle`, if that was this
+        very entry, (slot, gen) at the same extent with the same attachment: a sealed entry's bytes
+        never change, a new reservation is a new generation (and a repair may hand one out twice)."""
         before = self._local.get(needle)
         return before.parsed if before is not None and before.sealed == sealed else None
 
@@ -355,8 +352,7 @@ class Views:
         return decode.materialize(holder, found.parsed, base=entry.ENTRY_HEADER_SIZE)
 
     def _ref_repeat(self, slot: int, gen: int, request_id: RequestId, count: bool) -> bool:
-        """Reference a repeat hit's entry for `request_id` (and count the hit); False if it is
-        not sealed any more."""
+        """Reference a repeat hit's entry for `request_id` (and count the hit); False if it left."""
         if not self._node.add_ref(slot, gen):
             return False
         self._requests.add(request_id, slot, gen)
