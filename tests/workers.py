@@ -162,6 +162,16 @@ def stop_retiring(config: CacheConfig, names: list[str]) -> None:
             cache.put(key_of(name), expected_value(name))
 
 
+def put_stopping_before_its_seal(config: CacheConfig) -> None:
+    """Put "a", stopping (SIGSTOP, crash point `unsealed-payload`) with the entry written into
+    its reservation's extent and not sealed yet; once continued, finish the put and close."""
+    from shmcache.node import crashpoints
+
+    crashpoints.arm(crashpoints.CrashPoint.UNSEALED_PAYLOAD, stop=True)
+    with EmbeddingCache(config) as cache:
+        cache.put(key_of("a"), expected_value("a"))
+
+
 def crash_at(config: CacheConfig, point: str) -> None:
     """Arm crash point `point`, then run a workload that passes every point of the table: attach
     (create, reap), put, a pinned get, cleanup, close. Returns only if `point` was never reached."""

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 from shmcache.errors import CapacityError, CorruptSegment, LockTimeout, ReservationLost
 from shmcache.kernel.namespace import Segments
-from shmcache.node import crashpoints
+from shmcache.node import _native, crashpoints
 from shmcache.node.allocator import Allocator, aligned
 from shmcache.node.attachments import AttachmentTable
 from shmcache.node.clients import ClientIdentity, ClientTable
@@ -182,24 +182,19 @@ class NodeIndex:
 
     def seal(self, slot: int, gen: int, pins: int, attachment: bytes | None) -> SealedEntry:
         """Fenced seal of our reservation (its extent holds the entry) with `pins` pins (none if we
-        are out of pin records); `ReservationLost` if taken over. The semaphore is released."""
+        are out of pin records), and its `attachment`; `ReservationLost` if taken over. One
+        native call (native.c, `seal_in`); a stripe that needs its repair, or a damaged record,
+        takes the locked path with the same step inside. The semaphore is released."""
         try:
-            with self.sections.stripe(slot // self.layout.ways):
-                record = self.slots.read(slot)
-                if record is not None and record.owned_by(self.client, gen):
-                    pinned = True
-                    try:
-                        if pins:
-                            self.pins.add(slot, gen, pins)
-                    except CapacityError:
-                        pins, pinned = 0, False
-                    if attachment is not None:
-                        self.attachments.put(slot, attachment)
-                    sealed = self.reservations.seal_in(slot, gen, pins)
-                    assert sealed is not None
-                    self.reservations.release(slot, gen)
-                    return SealedEntry(slot, gen, sealed.offset, sealed.size, pinned, attachment)
-            raise ReservationLost(f"reservation (slot {slot}, gen {gen}) was taken over")  # outside
+            sealed: SealedEntry | _native.Slow | int | None = self.native.seal(slot, gen, pins, attachment)
+            if isinstance(sealed, _native.Slow):
+                with self.sections.stripe(slot // self.layout.ways):
+                    sealed = self.native.seal_in(slot, gen, pins, attachment, time.monotonic())
+                    if isinstance(sealed, int):
+                        self.repairs.quarantine(sealed)  # its record is damaged: the reservation is lost
+            if not isinstance(sealed, SealedEntry):
+                raise ReservationLost(f"reservation (slot {slot}, gen {gen}) was taken over")
+            return sealed
         finally:
             self.reservations.release(slot, gen)
 

@@ -486,6 +486,7 @@ static uint32_t pin_remove(Index *ix, int32_t slot, uint64_t gen, uint32_t n) {
 typedef struct {
     Py_ssize_t slot;
     record_t rec;
+    int pinned; /* the pins asked for were taken (a seal out of pin records takes none) */
     int has_attachment;
     char attachment[ATTACHMENT_SIZE]; /* copied inside the section: its writers hold it too */
 } hit_t;
@@ -543,6 +544,7 @@ static int hit_in(Index *ix, Py_ssize_t stripe, const char *needle, double now, 
         touch(ix, slot, now);
         out->slot = slot;
         out->rec = rec;
+        out->pinned = 1;
         char *at = ix->base + ix->attachments_off + ATTACHMENT_SIZE * slot;
         uint64_t stamped;
         memcpy(&stamped, at, 8);
@@ -553,6 +555,46 @@ static int hit_in(Index *ix, Py_ssize_t stripe, const char *needle, double now, 
         return R_HIT;
     }
     return R_MISS;
+}
+
+/* The fenced seal of our reservation (slot, gen), its stripe's section held: still RESERVED by
+ * this process with `gen`, it becomes SEALED (stamped `now`) with `pins` pins of ours, and with
+ * `attachment` (ATTACHMENT_SIZE bytes, its first 8 the generation; NULL: none) written first.
+ * A process that detached (row -1) owns no reservation: fenced off.
+ * Out of pin records it is sealed with none (`out->pinned` 0: the caller pins it later or keeps
+ * its own value). R_MISS: fenced off (taken over), nothing written; R_DAMAGED: `out->slot`
+ * fails its crc, nothing written (the caller quarantines it: the reservation is lost). */
+static int seal_in(Index *ix, Py_ssize_t slot, uint64_t gen, uint32_t pins, const char *attachment, double now,
+                   hit_t *out) {
+    record_t rec;
+    out->slot = slot;
+    if (!read_record(ix, slot, &rec)) {
+        return R_DAMAGED;
+    }
+    if (rec.state != RESERVED || rec.owner != ix->row || rec.gen != gen) {
+        return R_MISS;
+    }
+    out->pinned = 1;
+    if (pins && pin_add(ix, (int32_t)slot, gen, pins) < 0) {
+        if (!PyErr_ExceptionMatches(PinLimitReached)) {
+            return R_ERROR;
+        }
+        PyErr_Clear();
+        pins = 0;
+        out->pinned = 0;
+    }
+    out->has_attachment = attachment != NULL;
+    if (attachment != NULL) {
+        memcpy(out->attachment, attachment, ATTACHMENT_SIZE);
+        memcpy(ix->base + ix->attachments_off + ATTACHMENT_SIZE * slot, attachment, ATTACHMENT_SIZE);
+    }
+    touch(ix, slot, now);
+    rec.state = SEALED;
+    rec.sealed_at = now;
+    rec.refs = pins;
+    write_record(ix, slot, &rec);
+    out->rec = rec;
+    return R_HIT;
 }
 
 /* Drop `n` of our pins on (slot, gen). R_DAMAGED: the record fails its crc (our pins are gone:
@@ -585,7 +627,7 @@ static PyTypeObject SlowType = {
 };
 static PyObject *SLOW;
 
-/* A hit as a SealedEntry(slot, gen, offset, size, pinned=True, attachment), made as tuple.__new__
+/* A hit or a seal as a SealedEntry(slot, gen, offset, size, pinned, attachment), made as tuple.__new__
  * makes an instance of a tuple subclass: allocated once its items exist (no allocation runs
  * between, so the collector never sees it half made), then filled */
 static PyObject *hit_tuple(Index *ix, const hit_t *hit) {
@@ -594,7 +636,7 @@ static PyObject *hit_tuple(Index *ix, const hit_t *hit) {
         PyLong_FromUnsignedLongLong(hit->rec.gen),
         PyLong_FromUnsignedLongLong(hit->rec.offset),
         PyLong_FromUnsignedLongLong(hit->rec.size),
-        Py_NewRef(Py_True),
+        Py_NewRef(hit->pinned ? Py_True : Py_False),
         hit->has_attachment ? PyBytes_FromStringAndSize(hit->attachment, ATTACHMENT_SIZE) : Py_NewRef(Py_None),
     };
     PyObject *entry = NULL;
@@ -877,6 +919,83 @@ static PyObject *Index_hit_in(Index *ix, PyObject *const *args, Py_ssize_t nargs
     default:
         return NULL;
     }
+}
+
+/* seal's arguments: (slot, gen, pins, attachment) and, for seal_in, `now`; the slot checked
+ * against the index and the attachment against its size. */
+static int seal_args(Index *ix, PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, const char *usage,
+                     Py_ssize_t *slot, uint64_t *gen, uint32_t *pins, const char **attachment) {
+    if (usage_error(nargs, want, usage) < 0 || as_ssize(args[0], slot) < 0 || as_u64(args[1], gen) < 0 ||
+        as_u32(args[2], pins) < 0 || check_slot(ix, *slot) < 0) {
+        return -1;
+    }
+    *attachment = NULL;
+    if (args[3] == Py_None) {
+        return 0;
+    }
+    if (!PyBytes_Check(args[3]) || PyBytes_GET_SIZE(args[3]) != ATTACHMENT_SIZE) {
+        PyErr_Format(PyExc_ValueError, "an attachment is %d bytes", ATTACHMENT_SIZE);
+        return -1;
+    }
+    *attachment = PyBytes_AS_STRING(args[3]);
+    return 0;
+}
+
+/* What seal_in found, as Python: the SealedEntry, None (fenced off), for a record that fails its
+ * crc SLOW (`slow`) or its slot number, or NULL on error. */
+static PyObject *seal_answer(Index *ix, int found, const hit_t *sealed, int slow) {
+    switch (found) {
+    case R_HIT:
+        return hit_tuple(ix, sealed);
+    case R_MISS:
+        Py_RETURN_NONE;
+    case R_DAMAGED:
+        return slow ? Py_NewRef(SLOW) : PyLong_FromSsize_t(sealed->slot);
+    default:
+        return NULL;
+    }
+}
+
+/* seal(slot, gen, pins, attachment): the whole seal transaction (seal_in in a natively entered
+ * section); SLOW if the stripe needs its repair or the record is damaged. */
+static PyObject *Index_seal(Index *ix, PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t slot;
+    uint64_t gen;
+    uint32_t pins;
+    const char *attachment;
+    if (seal_args(ix, args, nargs, 4, "seal(slot, gen, pins, attachment)", &slot, &gen, &pins, &attachment) < 0 ||
+        check_live(ix) < 0) {
+        return NULL;
+    }
+    Py_ssize_t stripe = slot / ix->ways;
+    int entered = enter_stripe_fast(ix, stripe);
+    if (entered <= 0) {
+        return entered < 0 ? NULL : Py_NewRef(SLOW);
+    }
+    hit_t sealed;
+    /* a process that detached meanwhile (row -1) owns nothing: fenced off, as a late write's seal is */
+    int found = seal_in(ix, slot, gen, pins, attachment, monotonic_now(), &sealed);
+    /* whole records only, and nothing is written before an error: the section is left clean */
+    if (leave_stripe(ix, stripe) < 0) {
+        return NULL;
+    }
+    return seal_answer(ix, found, &sealed, 1);
+}
+
+static PyObject *Index_seal_in(Index *ix, PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t slot;
+    uint64_t gen;
+    uint32_t pins;
+    const char *attachment;
+    double now;
+    if (seal_args(ix, args, nargs, 5, "seal_in(slot, gen, pins, attachment, now)", &slot, &gen, &pins,
+                  &attachment) < 0 ||
+        as_double(args[4], &now) < 0) {
+        return NULL;
+    }
+    hit_t sealed;
+    int found = seal_in(ix, slot, gen, pins, attachment, now, &sealed);
+    return seal_answer(ix, found, &sealed, 0);
 }
 
 /* contains: lock-free (rule 4). True, False, or SLOW. */
@@ -1709,6 +1828,12 @@ static PyMethodDef Index_methods[] = {
      "on a miss, SLOW when the stripe needs a repair or a record is damaged; `counted`: count the hit or miss."},
     {"lookup_many", (PyCFunction)(void (*)(void))Index_lookup_many, METH_FASTCALL,
      "lookup_many(needles, pins, counted): `lookup` of each needle, in order (one section per needle)."},
+    {"seal", (PyCFunction)(void (*)(void))Index_seal, METH_FASTCALL,
+     "seal(slot, gen, pins, attachment): the fenced seal of our reservation, in its stripe's section: a "
+     "SealedEntry (pinned False: out of pin records), None (fenced off), or SLOW (take the locked path)."},
+    {"seal_in", (PyCFunction)(void (*)(void))Index_seal_in, METH_FASTCALL,
+     "seal_in(slot, gen, pins, attachment, now): seal's step, its stripe's section held: a SealedEntry, "
+     "None, or the slot (its record fails its crc: quarantine it)."},
     {"hit_in", (PyCFunction)(void (*)(void))Index_hit_in, METH_FASTCALL,
      "hit_in(stripe, needle, now, pins): the lookup step inside a stripe section the caller holds; "
      "an int is the slot of a damaged record (quarantine it and call again)."},

@@ -169,18 +169,6 @@ class Reservations:
         self._slots.write(slot, record.state, record._replace(offset=offset, size=size))
         return True
 
-    def seal_in(self, slot: int, gen: int, refs: int) -> SlotRecord | None:
-        """Seal our reservation (slot, gen) with `refs` references; None if fenced off. The caller
-        releases the semaphore (`release`) whatever happens."""
-        record = self._slots.read(slot)
-        if record is None or not record.owned_by(self.client, gen):
-            return None
-        now = time.monotonic()
-        self._slots.touch(slot, now)
-        sealed = record._replace(state=SlotState.SEALED, sealed_at=now, refs=refs)
-        self._slots.write(slot, record.state, sealed)
-        return sealed
-
     def abandon_in(self, slot: int, gen: int, kind: FailureKind, message: str) -> bool:
         """Free our reservation (slot, gen) and tell its waiters why; False if fenced off."""
         record = self._slots.read(slot)
