@@ -15,11 +15,12 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from shmcache import CacheConfig, EmbeddingCache
 from shmcache.node import counters
 from shmcache.node.audit import audit
-from shmcache.node.crashpoints import CRASH_POINTS, CrashRow, Survivor
+from shmcache.node.crashpoints import CRASH_POINTS, CrashPoint, CrashRow, Survivor
 from tests import workers
 from tests.helpers import kill, spawn, stopped, wait_for
 from tests.workers import expected_value, fingerprint, key_of
@@ -135,3 +136,23 @@ def test_counters_read_during_a_retire_count_its_client_once(
             kill(retiring)
         assert cache._node.native.retire_seq(False) % 2 == 0
         assert cache.stats()["puts"] == 3 and cache.stats()["clients"] == 1
+
+
+def test_a_seal_in_a_stripe_whose_holder_died_inside_repairs_it_then_seals(config: CacheConfig) -> None:
+    """The native seal hands a stripe whose last holder died inside to the locked path, which
+    repairs it and runs the same seal step: the entry is sealed (once), the stripe clean."""
+    with EmbeddingCache(config) as cache:
+        sealer = spawn(workers.put_stopping_before_its_seal, config)
+        assert sealer.pid is not None
+        wait_for(lambda: stopped(sealer.pid), what="the sealer to stop before its seal")  # type: ignore[arg-type]
+        victim = spawn(workers.crash_at, config, CrashPoint.IN_STRIPE_SECTION.value)
+        victim.join(60)
+        assert victim.exitcode == -9  # inside the stripe of "a" (its put's lookup)
+        repairs = cache.stats()["repairs"]
+        os.kill(sealer.pid, signal.SIGCONT)
+        sealer.join(60)
+        assert sealer.exitcode == 0
+        assert cache.stats()["repairs"] == repairs + 1  # by the seal's locked path
+        assert torch.equal(cache.get(key_of("a")), expected_value("a"))
+        cache.gc()
+        assert audit(cache._node) == []

@@ -7,7 +7,6 @@ import dataclasses
 import gc
 import os
 import random
-import signal
 import threading
 import time
 from pathlib import Path
@@ -35,7 +34,7 @@ from shmcache.node.layout import needle_of
 from shmcache.node.slots import SealedEntry
 from shmcache.testing import sample_cache_config
 from tests import workers
-from tests.helpers import kill, settle, spawn, stopped, wait_for
+from tests.helpers import kill, settle, spawn, wait_for
 from tests.workers import expected_value, key_of
 
 
@@ -121,26 +120,6 @@ def test_a_stripe_whose_holder_died_inside_is_repaired_by_the_next_lookup(config
         assert torch.equal(
             cache.get_or_compute(key_of("a"), lambda: expected_value("a")), expected_value("a")
         )
-        cache.gc()
-        assert audit(node_of(cache)) == []
-
-
-def test_a_seal_in_a_stripe_whose_holder_died_inside_repairs_it_then_seals(config: CacheConfig) -> None:
-    """The native seal hands a stripe whose last holder died inside to the locked path, which
-    repairs it and runs the same seal step: the entry is sealed (once), the stripe clean."""
-    with EmbeddingCache(config) as cache:
-        sealer = spawn(workers.put_stopping_before_its_seal, config)
-        assert sealer.pid is not None
-        wait_for(lambda: stopped(sealer.pid), what="the sealer to stop before its seal")  # type: ignore[arg-type]
-        victim = spawn(workers.crash_at, config, CrashPoint.IN_STRIPE_SECTION.value)
-        victim.join(60)
-        assert victim.exitcode == -9  # inside the stripe of "a" (its put's lookup)
-        repairs = cache.stats()["repairs"]
-        os.kill(sealer.pid, signal.SIGCONT)
-        sealer.join(60)
-        assert sealer.exitcode == 0
-        assert cache.stats()["repairs"] == repairs + 1  # by the seal's locked path
-        assert torch.equal(cache.get(key_of("a")), expected_value("a"))
         cache.gc()
         assert audit(node_of(cache)) == []
 
