@@ -156,3 +156,19 @@ def test_a_seal_in_a_stripe_whose_holder_died_inside_repairs_it_then_seals(confi
         assert torch.equal(cache.get(key_of("a")), expected_value("a"))
         cache.gc()
         assert audit(cache._node) == []
+
+
+def test_a_claim_in_a_stripe_whose_holder_died_inside_repairs_it_then_reserves(config: CacheConfig) -> None:
+    """The native get-or-reserve hands a stripe whose last holder died inside to the locked path,
+    which repairs it, looks up and claims there: one compute, the stripe clean."""
+    with EmbeddingCache(config) as cache:
+        victim = spawn(workers.crash_at, config, CrashPoint.IN_STRIPE_SECTION.value)
+        victim.join(60)
+        assert victim.exitcode == -9  # inside the stripe of "a" (its put's claim)
+        before = cache.stats()
+        value = cache.get_or_compute(key_of("a"), lambda: expected_value("a"))
+        after = cache.stats()
+        assert torch.equal(value, expected_value("a"))
+        assert (after["repairs"], after["computes"]) == (before["repairs"] + 1, before["computes"] + 1)
+        cache.gc()
+        assert audit(cache._node) == []

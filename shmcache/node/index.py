@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from shmcache.errors import CapacityError, CorruptSegment, LockTimeout, ReservationLost
+from shmcache.errors import CapacityError, CorruptSegment, LockTimeout, PinLimitReached, ReservationLost
 from shmcache.kernel.namespace import Segments
 from shmcache.node import _native, crashpoints
 from shmcache.node.allocator import Allocator, aligned
@@ -50,7 +50,7 @@ class NodeIndex:
         buf = segments.index
         self.ttl: float | None = Header.read(buf).ttl or None
         self.capacity = segments.capacity
-        self.native = native = layout.native(buf, self.ttl, lock_timeout, SealedEntry)
+        self.native = native = layout.native(buf, self.ttl, lock_timeout, SealedEntry, segments.sems.semid)
         self.slots = SlotTable(idx, layout, native, self.ttl)
         self.pins = PinTable(idx, layout, native)
         self.clients = ClientTable(idx, layout, buf, segments.sems)
@@ -63,7 +63,7 @@ class NodeIndex:
             repair_stripe=lambda stripe: self.repairs.stripe(stripe),
             repair_node=lambda: self.repairs.node(),
         )
-        self.reservations = Reservations(self.slots, segments.sems, self.counters, self.attachments)
+        self.reservations = Reservations(self.slots, segments.sems)
         self.repairs = Repairs(self, self.capacity)
         self.lookups = Lookups(
             native, self.sections, self.repairs.quarantine, self.stripe_of, lambda: self.reclaim()
@@ -110,23 +110,31 @@ class NodeIndex:
 
     # ------------------------------------------------------------------ reservations
     def reserve(self, needle: bytes, meta: tuple[int, int], pins: int) -> Claim:
-        """One step of get-or-reserve for `needle` (modality and key-kind `meta`): a pinned hit,
-        our new reservation, another live owner's, or FULL. A hit is found by the native lookup
-        (most steps are hits: a woken waiter's, get_or_compute's); a miss then runs one stripe
-        section that looks again and reserves."""
-        found = self.lookups.lookup(needle, pins)
-        if found is not None:
-            return Claim(ClaimKind.HIT, found.slot, found.gen, hit=found)
-        stripe = self.stripe_of(needle)
-        now = time.monotonic()
-        with self.sections.stripe(stripe):
-            hit = self.lookups.hit_in(stripe, needle, now, pins)
-            if hit is not None:
-                return Claim(ClaimKind.HIT, hit.slot, hit.gen, hit=hit)
-            claim = self.reservations.claim_in(stripe, needle, meta, now)
+        """One get-or-reserve step for `needle` (modality and key-kind `meta`): a pinned hit, our new
+        reservation, a live owner's, or FULL, in one native call (lookup, then claim); the locked
+        path does both when the stripe needs its repair. Out of pin records, `reclaim` first."""
+        answer: SealedEntry | _native.RawClaim | _native.Slow | Claim
+        try:  # `after_reclaim` written out (no closure per call)
+            answer = self.native.reserve(needle, *meta, pins)
+        except PinLimitReached:
+            if not self.reclaim():
+                raise
+            answer = self.native.reserve(needle, *meta, pins)
+        if isinstance(answer, _native.Slow):
+            answer = self._reserve_locked(needle, meta, pins)
+        if isinstance(answer, SealedEntry):
+            return Claim(ClaimKind.HIT, answer.slot, answer.gen, hit=answer)
+        claim = answer if isinstance(answer, Claim) else self.reservations.claimed(answer)
         if claim.kind is ClaimKind.OWNER:
             crashpoints.reached(CrashPoint.RESERVED)
         return claim
+
+    def _reserve_locked(self, needle: bytes, meta: tuple[int, int], pins: int) -> SealedEntry | Claim:
+        """`reserve` in a stripe section entered from Python (which runs its repair first)."""
+        stripe, now = self.stripe_of(needle), time.monotonic()
+        with self.sections.stripe(stripe):
+            hit = self.lookups.hit_in(stripe, needle, now, pins)
+            return hit if hit is not None else self.reservations.claim_in(stripe, needle, meta, now)
 
     def wait(self, slot: int, timeout: float) -> None:
         """Block until slot's reservation ends or its owner dies (`SemaphoreTimeout`)."""
@@ -138,8 +146,7 @@ class NodeIndex:
     def commit(self, slot: int, gen: int, nbytes: int, write: Writer, pins: int) -> SealedEntry:
         """Store a value for our reservation (slot, gen): `allocate`, `write(offset, size)` the entry
         there (outside any lock: nobody reads a reservation's extent), `seal` with `pins` pins and
-        the attachment `write` returned. Any failure abandons the reservation (waiters learn why:
-        `CapacityError` as uncacheable, anything else as failed) and is raised."""
+        the attachment `write` returned. A failure abandons it (waiters learn why) and is raised."""
         try:
             offset = self.allocate(slot, gen, nbytes)
             attachment = write(offset, nbytes)
@@ -181,10 +188,9 @@ class NodeIndex:
                 raise ReservationLost(f"reservation (slot {slot}, gen {gen}) was taken over")
 
     def seal(self, slot: int, gen: int, pins: int, attachment: bytes | None) -> SealedEntry:
-        """Fenced seal of our reservation (its extent holds the entry) with `pins` pins (none if we
-        are out of pin records), and its `attachment`; `ReservationLost` if taken over. One
-        native call (native.c, `seal_in`); a stripe that needs its repair, or a damaged record,
-        takes the locked path with the same step inside. The semaphore is released."""
+        """Fenced seal of our reservation with `pins` pins (none if we are out of pin records) and
+        its `attachment`, in one native call (the locked path runs the same step when the stripe
+        needs its repair); `ReservationLost` if taken over. The semaphore is released."""
         try:
             sealed: SealedEntry | _native.Slow | int | None = self.native.seal(slot, gen, pins, attachment)
             if isinstance(sealed, _native.Slow):
@@ -294,8 +300,7 @@ class NodeIndex:
                 self.slots.write(slot, record.state, record.retired())
 
     def update_attachment(self, slot: int, gen: int, update: Callable[[bytes], bytes]) -> bool:
-        """Replace entry (slot, gen)'s attachment by `update(old)` under its stripe section;
-        False if it has none."""
+        """Replace entry (slot, gen)'s attachment by `update(old)` in its stripe; False if none."""
         with self.sections.stripe(slot // self.layout.ways):
             old = self.attachments.get(slot, gen)
             if old is None:

@@ -205,7 +205,12 @@ assert (_native.SLOT_SIZE, _native.S_CRC, _native.S_LAST_ACCESS) == (SLOT_SIZE, 
 assert (_native.KEY_SIZE, _native.STRIPE_SIZE, _native.LOCK_SIZE) == (KEY_SIZE, STRIPE_SIZE, LOCK_SIZE)
 assert (ATTACHMENT_SIZE, PIN.size) == (_native.ATTACHMENT_SIZE, _native.PIN_SIZE)
 assert (_native.CLIENT_HEAD_SIZE, _native.C_COUNTERS) == (CLIENT_HEAD_SIZE, C_COUNTERS)
-assert _native.COUNTER_EVICTIONS_TTL == Counter.EVICTIONS_TTL
+assert (_native.COUNTER_EVICTIONS_TTL, _native.COUNTER_EVICTIONS_LRU, _native.COUNTER_TAKEOVERS) == (
+    Counter.EVICTIONS_TTL,
+    Counter.EVICTIONS_LRU,
+    Counter.TAKEOVERS,
+)
+assert _native.S_META == S_META
 assert (_native.COUNTER_HITS_PROCESS, _native.COUNTER_HITS_NODE, _native.COUNTER_MISSES) == (
     Counter.HITS_PROCESS,
     Counter.HITS_NODE,
@@ -306,10 +311,16 @@ class Layout:
         _native.init_locks(buf, self.locks_off, 1 + self.stripes)
 
     def native(
-        self, buf: IndexBuffer, ttl: float | None, lock_timeout: float, sealed: type[tuple[Any, ...]]
+        self,
+        buf: IndexBuffer,
+        ttl: float | None,
+        lock_timeout: float,
+        sealed: type[tuple[Any, ...]],
+        semid: int = -1,
     ) -> _native.Index:
         """The native handle (native.c) on the index mapped at `buf`, for these sizes; its hits are
-        `sealed` (slots.SealedEntry)."""
+        `sealed` (slots.SealedEntry); `semid`: the namespace's semaphore set, which its claims
+        take (-1: none, for a read-only look)."""
         return _native.Index(
             buffer=buf,
             locks_off=self.locks_off,
@@ -326,6 +337,7 @@ class Layout:
             ttl=ttl or 0.0,
             lock_timeout=lock_timeout,
             sealed=sealed,
+            semid=semid,
         )
 
 

@@ -1,15 +1,15 @@
 /* shmcache.node._native: the hot transactions of the node layer, one native call each.
  *
- * Python keeps the slow paths (claim, takeover, the allocation and eviction decisions, repair,
- * reaping); every
- * step both sides use has its one implementation here: entering and leaving a section, the key
- * scan, reading and writing a slot record with its crc, this process's pin records, its counters,
- * the access stamp and expiry. The allocator's two looks at the slot table (the first-fit gap,
- * the eviction order) and a new key's look at its stripe (what its reservation may take) are here
- * too: one pass in C instead of a dozen numpy passes or a record-by-record Python loop
- * (allocator.py and reservations.py decide what to do with them). The Python modules
- * (sections.py, slots.py, pins.py, counters.py, allocator.py, reservations.py) call these;
- * lookups.py and index.py compose them.
+ * The lookup, the claim of a missed key (a new reservation, a takeover of a dead owner's, or
+ * the one to wait on, with the stripe's eviction when it is full) and the seal are whole
+ * transactions here, each in one stripe section. Python keeps the slow paths (the allocation
+ * and eviction decisions of the arena, waiting, hand-over, repair, reaping); every step both
+ * sides use has its one implementation here: entering and leaving a section, the key scan,
+ * reading and writing a slot record with its crc, this process's pin records, its counters, the
+ * access stamp and expiry. The allocator's two looks at the slot table (the first-fit gap, the
+ * eviction order) are here too: one pass in C instead of a dozen numpy passes (allocator.py
+ * decides what to do with them). The Python modules (sections.py, slots.py, pins.py,
+ * counters.py, allocator.py, reservations.py) call these; lookups.py and index.py compose them.
  *
  * Byte layout: layout.py is the reference; this file repeats the few field offsets it needs as
  * constants and exports them (layout.py asserts that both agree at import).
@@ -81,6 +81,13 @@
  *    both loads gave the same even value.  A retire that died inside leaves it odd until the
  *    next node-section holder replays the journal and ends it; meanwhile readers read through
  *    the journal (counters.py).
+ * 9. Reservation semaphores.  A claim (native, in the stripe section) reads a slot's SysV
+ *    semaphore (GETVAL: 0 means nobody holds it, so a RESERVED record's owner is dead) and takes
+ *    it with one semop of two operations, "wait for zero, then +1 with SEM_UNDO", both
+ *    IPC_NOWAIT: the same pair as kernel/semaphores.py's try_acquire (reservations.py has the
+ *    protocol). The semaphore number is the slot's (layout.slot_sem). The kernel orders the
+ *    semop against every other process's; the record written after it, in the section, is what
+ *    a waiter reads once the semaphore is released. Neither call blocks: the GIL is kept.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -92,6 +99,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
+#include <sys/sem.h>
 #include <unistd.h>
 #include <zlib.h>
 
@@ -114,7 +122,18 @@
 
 enum { EMPTY = 0, RESERVED = 1, SEALED = 2, STALE = 3 };
 /* Counter indices used here (layout.Counter; checked from layout.py) */
-enum { COUNTER_HITS_PROCESS = 0, COUNTER_HITS_NODE = 1, COUNTER_MISSES = 2, COUNTER_EVICTIONS_TTL = 7 };
+enum {
+    COUNTER_HITS_PROCESS = 0,
+    COUNTER_HITS_NODE = 1,
+    COUNTER_MISSES = 2,
+    COUNTER_TAKEOVERS = 5,
+    COUNTER_EVICTIONS_LRU = 6,
+    COUNTER_EVICTIONS_TTL = 7
+};
+/* What a claim found (reservations.py's ClaimKind): ours, ours by a takeover of a dead owner's,
+ * another live owner's to wait on, or no slot of the stripe to take */
+enum { CLAIM_OWNER = 0, CLAIM_TAKEOVER = 1, CLAIM_WAIT = 2, CLAIM_FULL = 3 };
+#define S_META 68 /* the slot's modality u8 and key kind u8 (informational, outside the crc) */
 
 #pragma pack(push, 1)
 typedef struct {
@@ -187,6 +206,7 @@ typedef struct {
     double ttl; /* 0: no TTL */
     Py_ssize_t stripes, ways, slots, clients, pins;
     Py_ssize_t stripes_off, slots_off, keys_off, attachments_off, clients_off, client_size;
+    int semid; /* the namespace's SysV semaphore set: a slot's reservation semaphore is its number */
     uint32_t zero_crc;
     int row; /* this process's client record, -1 while detached */
     /* this process's pins: (slot, gen) -> pin record index, linear probing */
@@ -498,7 +518,7 @@ static Py_ssize_t stripe_of(Index *ix, const char *needle) {
 }
 
 /* The first slot of `stripe` from `from` on whose key record is `needle`; -1 if none. The one key
- * scan: lookups here, claims in Python (`SlotTable.find`). */
+ * scan, of lookups and claims. */
 static Py_ssize_t next_match(Index *ix, Py_ssize_t stripe, const char *needle, Py_ssize_t from) {
     for (Py_ssize_t slot = from; slot < (stripe + 1) * ix->ways; slot++) {
         if (memcmp(key_at(ix, slot), needle, KEY_SIZE) == 0) {
@@ -595,6 +615,171 @@ static int seal_in(Index *ix, Py_ssize_t slot, uint64_t gen, uint32_t pins, cons
     write_record(ix, slot, &rec);
     out->rec = rec;
     return R_HIT;
+}
+
+/* A slot's reservation semaphore (rule 9): its value (0: nobody holds it), and the hold a
+ * claim takes, "wait for zero, then +1 with SEM_UNDO" as one semop, both IPC_NOWAIT: the same
+ * two operations as kernel/semaphores.py's try_acquire. A set removed under us (the namespace
+ * destroyed) raises CacheClosed, as that module does. */
+static int sem_failed(const char *what) {
+    if (errno == EIDRM || errno == EINVAL) {
+        PyErr_Format(CacheClosed, "%s: the namespace's semaphore set was removed (destroyed?)", what);
+    } else {
+        PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return -1;
+}
+
+/* 1 if a live process holds slot's semaphore, 0 if nobody does, -1 with an exception set. */
+static int sem_held(Index *ix, Py_ssize_t slot) {
+    int value = semctl(ix->semid, (int)slot, GETVAL);
+    return value < 0 ? sem_failed("semctl(GETVAL)") : value != 0;
+}
+
+/* 1 taken, 0 not (someone holds it), -1 with an exception set. */
+static int sem_take(Index *ix, Py_ssize_t slot) {
+    struct sembuf ops[2] = {{(unsigned short)slot, 0, IPC_NOWAIT}, {(unsigned short)slot, 1, SEM_UNDO | IPC_NOWAIT}};
+    if (semop(ix->semid, ops, 2) == 0) {
+        return 1;
+    }
+    return errno == EAGAIN || errno == EINTR ? 0 : sem_failed("try_acquire");
+}
+
+/* A generation the slot never had, nor its attachment (a repaired record's generation may have
+ * been torn, and must never meet an old attachment again). */
+static uint64_t next_gen(Index *ix, Py_ssize_t slot, const record_t *rec) {
+    uint64_t stamped;
+    memcpy(&stamped, ix->base + ix->attachments_off + ATTACHMENT_SIZE * slot, 8);
+    return (rec->gen > stamped ? rec->gen : stamped) + 1;
+}
+
+/* Take slot's semaphore and make its record RESERVED by us with `gen` (naming it for `needle`
+ * unless NULL: a takeover keeps the key): CLAIM_OWNER, CLAIM_FULL if the semaphore is held, or
+ * R_ERROR. */
+static int take_in(Index *ix, Py_ssize_t slot, uint64_t gen, const char *needle, uint8_t modality, uint8_t kind) {
+    int taken = sem_take(ix, slot);
+    if (taken <= 0) {
+        return taken < 0 ? R_ERROR : CLAIM_FULL;
+    }
+    record_t rec = {RESERVED, ix->row, gen, 0, 0, 0.0, 0};
+    if (needle != NULL) {
+        char *at = slot_at(ix, slot);
+        at[S_META] = (char)modality;
+        at[S_META + 1] = (char)kind;
+        /* the key, then the record whose crc covers it, back to back (rule 3) */
+        memcpy(key_at(ix, slot), needle, KEY_SIZE);
+    }
+    write_record(ix, slot, &rec);
+    return CLAIM_OWNER;
+}
+
+/* The slot of `stripe` a new reservation may take (its section held): the first EMPTY one whose
+ * semaphore nobody holds, else one made EMPTY by evicting the unreferenced SEALED entry that
+ * expired (first) or was used least recently (counted), else a dead owner's reservation (freed).
+ * -1: none; R_DAMAGED_SLOT(slot) = -2 - slot for a record that fails its crc (nothing changed);
+ * R_ERROR_SLOT = INT64_MIN with an exception set. */
+#define ERROR_SLOT PY_SSIZE_T_MIN
+static Py_ssize_t victim_in(Index *ix, Py_ssize_t stripe, double now) {
+    Py_ssize_t evict = -1, first = stripe * ix->ways, end = first + ix->ways;
+    double best = 0.0;
+    int best_expired = 0;
+    for (Py_ssize_t slot = first; slot < end; slot++) {
+        record_t r;
+        if (!read_record(ix, slot, &r)) {
+            return -2 - slot;
+        }
+        if (r.state == EMPTY) {
+            int held = sem_held(ix, slot); /* held: emptied by a repair while its owner lives on */
+            if (held <= 0) {
+                return held < 0 ? ERROR_SLOT : slot;
+            }
+        } else if (r.state == SEALED && r.refs == 0) {
+            int gone = expired(ix, slot, now);
+            double rank = gone ? -1.0 : last_access(ix, slot);
+            rank = isnan(rank) ? INFINITY : rank; /* a damaged stamp goes last, as in `evictable` */
+            if (evict < 0 || rank < best) { /* the first of equal ranks */
+                evict = slot;
+                best = rank;
+                best_expired = gone;
+            }
+        }
+    }
+    if (evict >= 0) {
+        count(ix, best_expired ? COUNTER_EVICTIONS_TTL : COUNTER_EVICTIONS_LRU, 1);
+    } else {
+        for (Py_ssize_t slot = first; slot < end && evict < 0; slot++) {
+            record_t r;
+            read_record(ix, slot, &r); /* every record of the stripe verified above */
+            int held = r.state == RESERVED ? sem_held(ix, slot) : 1;
+            if (held < 0) {
+                return ERROR_SLOT;
+            }
+            evict = held ? -1 : slot;
+        }
+        if (evict < 0) {
+            return -1;
+        }
+    }
+    record_t r;
+    read_record(ix, evict, &r);
+    freed(&r);
+    write_record(ix, evict, &r);
+    return evict;
+}
+
+/* After a miss of `needle` in `stripe` (its section held): take over the reservation of a dead
+ * owner, wait on a live one's, or make ours (`modality`, `kind`: the key's, for inspection).
+ * Fills (kind, slot, gen) of the claim; R_DAMAGED: `*slot` fails its crc, nothing changed (the
+ * caller quarantines it and claims again); R_ERROR with an exception set. */
+static int claim_in(Index *ix, Py_ssize_t stripe, const char *needle, uint8_t modality, uint8_t kind, double now,
+                    int *what, Py_ssize_t *slot, uint64_t *gen) {
+    for (Py_ssize_t at = next_match(ix, stripe, needle, stripe * ix->ways); at >= 0;
+         at = next_match(ix, stripe, needle, at + 1)) {
+        record_t rec;
+        if (!read_record(ix, at, &rec)) {
+            *slot = at;
+            return R_DAMAGED;
+        }
+        if (rec.state != RESERVED) {
+            continue;
+        }
+        int held = sem_held(ix, at);
+        if (held < 0) {
+            return R_ERROR;
+        }
+        *slot = at;
+        *gen = held ? rec.gen : next_gen(ix, at, &rec);
+        *what = held ? CLAIM_WAIT : take_in(ix, at, *gen, NULL, 0, 0);
+        if (*what == R_ERROR) {
+            return R_ERROR;
+        }
+        if (*what == CLAIM_FULL) { /* it just let go: wait, which looks again */
+            *what = CLAIM_WAIT;
+            *gen = rec.gen;
+        } else if (*what == CLAIM_OWNER) {
+            *what = CLAIM_TAKEOVER;
+            count(ix, COUNTER_TAKEOVERS, 1);
+        }
+        return R_HIT;
+    }
+    Py_ssize_t victim = victim_in(ix, stripe, now);
+    if (victim == ERROR_SLOT) {
+        return R_ERROR;
+    }
+    if (victim < -1) {
+        *slot = -2 - victim;
+        return R_DAMAGED;
+    }
+    *slot = victim;
+    *gen = 0;
+    *what = CLAIM_FULL;
+    if (victim >= 0) {
+        record_t rec;
+        read_record(ix, victim, &rec); /* EMPTY, verified (or just freed) */
+        *gen = next_gen(ix, victim, &rec);
+        *what = take_in(ix, victim, *gen, needle, modality, kind);
+    }
+    return *what == R_ERROR ? R_ERROR : R_HIT;
 }
 
 /* Drop `n` of our pins on (slot, gen). R_DAMAGED: the record fails its crc (our pins are gone:
@@ -998,6 +1183,95 @@ static PyObject *Index_seal_in(Index *ix, PyObject *const *args, Py_ssize_t narg
     return seal_answer(ix, found, &sealed, 0);
 }
 
+/* A claim as Python: (kind, slot, gen), kind a CLAIM_* code (reservations.py's Claim). */
+static PyObject *claim_tuple(int what, Py_ssize_t slot, uint64_t gen) {
+    return Py_BuildValue("(inK)", what, slot, (unsigned long long)gen);
+}
+
+static int claim_args(PyObject *const *args, const char **needle, uint8_t *modality, uint8_t *kind) {
+    uint32_t m, k;
+    if (check_needle(args[0], needle) < 0 || as_u32(args[1], &m) < 0 || as_u32(args[2], &k) < 0) {
+        return -1;
+    }
+    if (m > 255 || k > 255) {
+        PyErr_SetString(PyExc_ValueError, "a modality and a key kind are bytes");
+        return -1;
+    }
+    *modality = (uint8_t)m;
+    *kind = (uint8_t)k;
+    return 0;
+}
+
+/* reserve(needle, modality, kind, pins): one get-or-reserve step for `needle` in one stripe
+ * section: a SealedEntry pinned `pins` times (a hit), a claim (kind, slot, gen), or SLOW (a
+ * stripe that needs its repair or a damaged record: the locked path does the same steps). */
+static PyObject *Index_reserve(Index *ix, PyObject *const *args, Py_ssize_t nargs) {
+    const char *needle;
+    uint8_t modality, kind;
+    uint32_t pins;
+    if (usage_error(nargs, 4, "reserve(needle, modality, kind, pins)") < 0 ||
+        claim_args(args, &needle, &modality, &kind) < 0 || as_u32(args[3], &pins) < 0 || check_bound(ix) < 0 ||
+        check_live(ix) < 0) {
+        return NULL;
+    }
+    Py_ssize_t stripe = stripe_of(ix, needle);
+    int entered = enter_stripe_fast(ix, stripe);
+    if (entered <= 0) {
+        return entered < 0 ? NULL : Py_NewRef(SLOW);
+    }
+    hit_t hit;
+    int what = CLAIM_FULL;
+    Py_ssize_t slot = -1;
+    uint64_t gen = 0;
+    double now = monotonic_now();
+    /* the row is checked again in the section: another thread may have detached meanwhile */
+    int found = ix->row < 0 ? (PyErr_SetString(CacheClosed, "this process detached from the namespace"), R_ERROR)
+                            : hit_in(ix, stripe, needle, now, pins, &hit);
+    if (found == R_MISS) {
+        found = claim_in(ix, stripe, needle, modality, kind, now, &what, &slot, &gen);
+        found = found == R_HIT ? R_MISS : found; /* R_MISS from here on: a claim */
+    }
+    /* whole records only, and nothing is written before an error: the section is left clean */
+    if (leave_stripe(ix, stripe) < 0) {
+        return NULL;
+    }
+    switch (found) {
+    case R_HIT:
+        return hit_tuple(ix, &hit);
+    case R_MISS:
+        return claim_tuple(what, slot, gen);
+    case R_DAMAGED:
+        return Py_NewRef(SLOW);
+    default:
+        return NULL;
+    }
+}
+
+/* claim_in(stripe, needle, modality, kind, now): the claim step after a miss, the stripe's
+ * section held: (kind, slot, gen), or the slot whose record fails its crc (quarantine it). */
+static PyObject *Index_claim_in(Index *ix, PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t stripe;
+    const char *needle;
+    uint8_t modality, kind;
+    double now;
+    if (usage_error(nargs, 5, "claim_in(stripe, needle, modality, kind, now)") < 0 || check_bound(ix) < 0 ||
+        as_stripe(ix, args[0], &stripe) < 0 || claim_args(args + 1, &needle, &modality, &kind) < 0 ||
+        as_double(args[4], &now) < 0) {
+        return NULL;
+    }
+    int what = CLAIM_FULL;
+    Py_ssize_t slot = -1;
+    uint64_t gen = 0;
+    switch (claim_in(ix, stripe, needle, modality, kind, now, &what, &slot, &gen)) {
+    case R_HIT:
+        return claim_tuple(what, slot, gen);
+    case R_DAMAGED:
+        return PyLong_FromSsize_t(slot);
+    default:
+        return NULL;
+    }
+}
+
 /* contains: lock-free (rule 4). True, False, or SLOW. */
 static PyObject *contains_one(Index *ix, const char *needle, double now) {
     Py_ssize_t stripe = stripe_of(ix, needle);
@@ -1022,27 +1296,6 @@ static PyObject *contains_one(Index *ix, const char *needle, double now) {
         }
     }
     Py_RETURN_FALSE;
-}
-
-/* find(stripe, needle): the slots of `stripe` holding `needle`'s key record (the caller holds the
- * stripe's section). */
-static PyObject *Index_find(Index *ix, PyObject *const *args, Py_ssize_t nargs) {
-    Py_ssize_t stripe;
-    const char *needle;
-    if (usage_error(nargs, 2, "find(stripe, needle)") < 0 || as_stripe(ix, args[0], &stripe) < 0 ||
-        check_needle(args[1], &needle) < 0) {
-        return NULL;
-    }
-    PyObject *out = PyList_New(0);
-    for (Py_ssize_t slot = next_match(ix, stripe, needle, stripe * ix->ways); out != NULL && slot >= 0;
-         slot = next_match(ix, stripe, needle, slot + 1)) {
-        PyObject *item = PyLong_FromSsize_t(slot);
-        if (item == NULL || PyList_Append(out, item) < 0) {
-            Py_CLEAR(out);
-        }
-        Py_XDECREF(item);
-    }
-    return out;
 }
 
 static PyObject *Index_contains(Index *ix, PyObject *needle) {
@@ -1473,49 +1726,6 @@ static PyObject *Index_evictable(Index *ix, PyObject *const *args, Py_ssize_t na
     return out;
 }
 
-/* ------------------------------------------------------------ a new key's look at its stripe */
-/* stripe_look(stripe, now): what a reservation of a new key can take in `stripe` (its section
- * held, so the records are stable): (free, evict, expired, reserved, damaged) -- the EMPTY slots,
- * the unreferenced SEALED slot to evict first (expired ones first, then the least recently used;
- * -1 if none) and whether it expired, the RESERVED slots, the slots whose record fails its crc;
- * each list in slot order. */
-static PyObject *Index_stripe_look(Index *ix, PyObject *const *args, Py_ssize_t nargs) {
-    Py_ssize_t stripe;
-    double now;
-    if (usage_error(nargs, 2, "stripe_look(stripe, now)") < 0 || as_stripe(ix, args[0], &stripe) < 0 ||
-        as_double(args[1], &now) < 0) {
-        return NULL;
-    }
-    PyObject *empty = PyList_New(0), *reserved = PyList_New(0), *damaged = PyList_New(0);
-    Py_ssize_t evict = -1;
-    double best = 0.0;
-    int best_expired = 0, failed = empty == NULL || reserved == NULL || damaged == NULL;
-    for (Py_ssize_t slot = stripe * ix->ways; !failed && slot < (stripe + 1) * ix->ways; slot++) {
-        record_t r;
-        if (!read_record(ix, slot, &r)) {
-            failed = append_slot(damaged, slot) < 0;
-        } else if (r.state == EMPTY) {
-            failed = append_slot(empty, slot) < 0;
-        } else if (r.state == RESERVED) {
-            failed = append_slot(reserved, slot) < 0;
-        } else if (r.state == SEALED && r.refs == 0) {
-            int gone = expired(ix, slot, now);
-            double rank = gone ? -1.0 : last_access(ix, slot);
-            rank = isnan(rank) ? INFINITY : rank; /* a damaged stamp goes last, as in `evictable` */
-            if (evict < 0 || rank < best) { /* the first of equal ranks */
-                evict = slot;
-                best = rank;
-                best_expired = gone;
-            }
-        }
-    }
-    PyObject *out = failed ? NULL : Py_BuildValue("(OnOOO)", empty, evict, best_expired ? Py_True : Py_False, reserved, damaged);
-    Py_XDECREF(empty);
-    Py_XDECREF(reserved);
-    Py_XDECREF(damaged);
-    return out;
-}
-
 /* ----------------------------------------------------------------- primitives for Python */
 /* The lock index and held marker offset of enter/leave: 0, or -1 with an exception set. */
 static int section_args(Index *ix, PyObject *const *args, int *lock, Py_ssize_t *held_off) {
@@ -1739,16 +1949,17 @@ static int check_sealed_type(PyObject *sealed) {
 static int Index_init(Index *ix, PyObject *args, PyObject *kwds) {
     static char *names[] = {"buffer", "locks_off", "stripes", "ways", "clients", "pins", "stripes_off",
                             "slots_off", "keys_off", "attachments_off", "clients_off", "client_size",
-                            "ttl", "lock_timeout", "sealed", NULL};
+                            "ttl", "lock_timeout", "sealed", "semid", NULL};
     PyObject *buffer, *sealed;
     if (ix->base != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "an Index is initialised once");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OnnnnnnnnnnnddO", names, &buffer, &ix->locks_off, &ix->stripes,
+    ix->semid = -1; /* none: a read-only look (ops/snapshot.py) makes no claims */
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OnnnnnnnnnnnddO|i", names, &buffer, &ix->locks_off, &ix->stripes,
                                      &ix->ways, &ix->clients, &ix->pins, &ix->stripes_off, &ix->slots_off,
                                      &ix->keys_off, &ix->attachments_off, &ix->clients_off, &ix->client_size,
-                                     &ix->ttl, &ix->lock_timeout, &sealed)) {
+                                     &ix->ttl, &ix->lock_timeout, &sealed, &ix->semid)) {
         return -1;
     }
     if (check_sealed_type(sealed) < 0) {
@@ -1828,6 +2039,12 @@ static PyMethodDef Index_methods[] = {
      "on a miss, SLOW when the stripe needs a repair or a record is damaged; `counted`: count the hit or miss."},
     {"lookup_many", (PyCFunction)(void (*)(void))Index_lookup_many, METH_FASTCALL,
      "lookup_many(needles, pins, counted): `lookup` of each needle, in order (one section per needle)."},
+    {"reserve", (PyCFunction)(void (*)(void))Index_reserve, METH_FASTCALL,
+     "reserve(needle, modality, kind, pins): a pinned SealedEntry, a claim (kind, slot, gen) made in the "
+     "same stripe section, or SLOW (take the locked path)."},
+    {"claim_in", (PyCFunction)(void (*)(void))Index_claim_in, METH_FASTCALL,
+     "claim_in(stripe, needle, modality, kind, now): the claim after a miss, the stripe's section held: "
+     "(kind, slot, gen), or the slot whose record fails its crc (quarantine it, then claim again)."},
     {"seal", (PyCFunction)(void (*)(void))Index_seal, METH_FASTCALL,
      "seal(slot, gen, pins, attachment): the fenced seal of our reservation, in its stripe's section: a "
      "SealedEntry (pinned False: out of pin records), None (fenced off), or SLOW (take the locked path)."},
@@ -1837,8 +2054,6 @@ static PyMethodDef Index_methods[] = {
     {"hit_in", (PyCFunction)(void (*)(void))Index_hit_in, METH_FASTCALL,
      "hit_in(stripe, needle, now, pins): the lookup step inside a stripe section the caller holds; "
      "an int is the slot of a damaged record (quarantine it and call again)."},
-    {"find", (PyCFunction)(void (*)(void))Index_find, METH_FASTCALL,
-     "find(stripe, needle): the slots of the stripe whose key record is the needle."},
     {"contains", (PyCFunction)Index_contains, METH_O,
      "contains(needle): lock-free existence check: True, False or SLOW."},
     {"contains_many", (PyCFunction)Index_contains_many, METH_O, "contains_many(needles): `contains` of each."},
@@ -1877,9 +2092,6 @@ static PyMethodDef Index_methods[] = {
      "retire_seq(again): the retire sequence; `again`: read after the reads it guards (point 8)."},
     {"gap", (PyCFunction)(void (*)(void))Index_gap, METH_FASTCALL,
      "gap(need, capacity): the lowest offset of `need` free bytes (node section held; rule 7), None if none."},
-    {"stripe_look", (PyCFunction)(void (*)(void))Index_stripe_look, METH_FASTCALL,
-     "stripe_look(stripe, now): (free, evict, expired, reserved, damaged) for a new key's reservation "
-     "(stripe section held)."},
     {"evictable", (PyCFunction)(void (*)(void))Index_evictable, METH_FASTCALL,
      "evictable(now, limit): (RESERVED slots with an extent, the best `limit` unreferenced SEALED slots: "
      "expired first, then least recently used; whether that is all of them), read lock-free (rule 7)."},
@@ -2002,7 +2214,12 @@ PyMODINIT_FUNC PyInit__native(void) {
         PyModule_AddIntConstant(m, "COUNTER_HITS_PROCESS", COUNTER_HITS_PROCESS) < 0 ||
         PyModule_AddIntConstant(m, "COUNTER_HITS_NODE", COUNTER_HITS_NODE) < 0 ||
         PyModule_AddIntConstant(m, "COUNTER_MISSES", COUNTER_MISSES) < 0 ||
-        PyModule_AddIntConstant(m, "COUNTER_EVICTIONS_TTL", COUNTER_EVICTIONS_TTL) < 0) {
+        PyModule_AddIntConstant(m, "COUNTER_EVICTIONS_TTL", COUNTER_EVICTIONS_TTL) < 0 ||
+        PyModule_AddIntConstant(m, "COUNTER_EVICTIONS_LRU", COUNTER_EVICTIONS_LRU) < 0 ||
+        PyModule_AddIntConstant(m, "COUNTER_TAKEOVERS", COUNTER_TAKEOVERS) < 0 ||
+        PyModule_AddIntConstant(m, "S_META", S_META) < 0 || PyModule_AddIntConstant(m, "CLAIM_OWNER", CLAIM_OWNER) < 0 ||
+        PyModule_AddIntConstant(m, "CLAIM_TAKEOVER", CLAIM_TAKEOVER) < 0 ||
+        PyModule_AddIntConstant(m, "CLAIM_WAIT", CLAIM_WAIT) < 0 || PyModule_AddIntConstant(m, "CLAIM_FULL", CLAIM_FULL) < 0) {
         Py_DECREF(m);
         return NULL;
     }

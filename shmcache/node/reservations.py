@@ -31,10 +31,8 @@ import time
 from dataclasses import dataclass
 
 from shmcache.kernel.semaphores import SemaphoreSet
-from shmcache.node.attachments import AttachmentTable
-from shmcache.node.counters import Counters
-from shmcache.node.layout import Counter
-from shmcache.node.slots import FailureKind, SealedEntry, SlotRecord, SlotState, SlotTable
+from shmcache.node import _native
+from shmcache.node.slots import FailureKind, SealedEntry, SlotState, SlotTable
 
 __all__ = ["Claim", "ClaimKind", "Reservations"]
 
@@ -62,11 +60,8 @@ class Claim:
 class Reservations:
     """The reservation semaphores of a namespace, and which of them this process holds."""
 
-    def __init__(
-        self, slots: SlotTable, sems: SemaphoreSet, counters: Counters, attachments: AttachmentTable
-    ) -> None:
-        self._slots, self._sems, self._layout = slots, sems, slots.layout
-        self._counters, self._attachments = counters, attachments
+    def __init__(self, slots: SlotTable, sems: SemaphoreSet) -> None:
+        self._slots, self._sems, self._layout, self._native = slots, sems, slots.layout, slots.native
         self._held: dict[int, int] = {}  # slot -> the generation we hold its semaphore for
         self._lock = threading.Lock()
         self.client = -1
@@ -83,14 +78,6 @@ class Reservations:
         """The slots whose reservation semaphore this process holds, each with its generation."""
         with self._lock:
             return dict(self._held)
-
-    def _acquire(self, slot: int, gen: int) -> bool:
-        """Take slot's semaphore without waiting, for reservation (slot, gen); remember it."""
-        if not self._sems.try_acquire(self._layout.slot_sem(slot)):
-            return False
-        with self._lock:
-            self._held[slot] = gen
-        return True
 
     def release(self, slot: int, gen: int) -> None:
         """Release slot's semaphore if this process still holds it for reservation (slot, gen)
@@ -109,56 +96,26 @@ class Reservations:
 
     # ------------------------------------------------------------------ claim (in the stripe section)
     def claim_in(self, stripe: int, needle: bytes, meta: tuple[int, int], now: float) -> Claim:
-        """After a miss in `stripe`: wait on, take over, or make the reservation of `needle`."""
-        table = self._slots
-        for slot in table.find(stripe, needle):
-            record = table.read(slot)
-            if record is None or record.state != SlotState.RESERVED:
-                continue
-            gen = self._next_gen(slot, record)
-            if self.owner_alive(slot) or not self._acquire(slot, gen):
-                return Claim(ClaimKind.WAIT, slot, record.gen)  # a live owner (or it just let go)
-            table.write(slot, record.state, SlotRecord(SlotState.RESERVED, self.client, gen, 0, 0, 0.0, 0))
-            self._counters.count(Counter.TAKEOVERS)
-            return Claim(ClaimKind.OWNER, slot, gen, takeover=True)
-        victim = self._victim_in(stripe, now)
-        record = None if victim is None else table.read(victim)
-        gen = 0 if victim is None or record is None else self._next_gen(victim, record)
-        if victim is None or not self._acquire(victim, gen):
+        """After a miss in `stripe` (its section held): wait on, take over, or make the reservation
+        of `needle` (native.c's `claim_in`; damaged records met are quarantined on the way)."""
+        while True:
+            answer = self._native.claim_in(stripe, needle, *meta, now)
+            if not isinstance(answer, int):
+                return self.claimed(answer)
+            self._slots.on_damaged(answer)
+
+    def claimed(self, answer: _native.RawClaim) -> Claim:
+        """The `Claim` a native claim answered; a reservation it made is remembered as held."""
+        kind, slot, gen = answer
+        if kind == _native.CLAIM_WAIT:
+            return Claim(ClaimKind.WAIT, slot, gen)
+        if kind == _native.CLAIM_FULL:
             return Claim(ClaimKind.FULL)
-        assert record is not None and record.state == SlotState.EMPTY
-        table.set_meta(victim, *meta)
-        table.write(
-            victim, SlotState.EMPTY, SlotRecord(SlotState.RESERVED, self.client, gen, 0, 0, 0.0, 0), needle
-        )
-        return Claim(ClaimKind.OWNER, victim, gen)
-
-    def _next_gen(self, slot: int, record: SlotRecord) -> int:
-        """A generation the slot never had, nor its attachment (a repaired record's generation may
-        have been torn, and must never meet an old attachment again)."""
-        return max(record.gen, self._attachments.gen(slot)) + 1
-
-    def _victim_in(self, stripe: int, now: float) -> int | None:
-        """An EMPTY slot of `stripe` to reserve: a free one, else one made free by evicting an
-        unreferenced sealed entry (expired first, then least recently used), else a dead
-        owner's reservation."""
-        table = self._slots
-        look = table.stripe_look(stripe, now)
-        for slot in look.free:
-            if not self.owner_alive(slot):
-                return slot
-            # else emptied by a repair while its owner lives on: that owner still holds it
-        if look.evict >= 0:
-            self._counters.count(Counter.EVICTIONS_TTL if look.expired else Counter.EVICTIONS_LRU)
-            victim = look.evict
-        else:
-            victim = next((slot for slot in look.reserved if not self.owner_alive(slot)), -1)
-            if victim < 0:
-                return None
-        record = table.read(victim)
-        assert record is not None
-        table.write(victim, record.state, record.freed())
-        return victim
+        with self._lock:
+            self._held[slot] = gen
+        if kind == _native.CLAIM_TAKEOVER:
+            return Claim(ClaimKind.OWNER, slot, gen, takeover=True)
+        return Claim(ClaimKind.OWNER, slot, gen)
 
     # ------------------------------------------------------------------ fenced ends (in the stripe section)
     def set_extent(self, slot: int, gen: int, offset: int, size: int) -> bool:

@@ -40,10 +40,8 @@ from shmcache.node import _native
 from shmcache.node.layout import (
     ERROR_SIZE,
     FAILURE,
-    META,
     S_FAILURE,
     S_LAST_ACCESS,
-    S_META,
     SLOT_DTYPE,
     SLOT_SIZE,
     Layout,
@@ -138,15 +136,6 @@ class SealedEntry(NamedTuple):
     attachment: bytes | None = None  # the entry's attachment record, if it has one
 
 
-class StripeLook(NamedTuple):
-    """What a reservation of a new key can take in its stripe (the lists in slot order)."""
-
-    free: list[int]  # EMPTY slots
-    evict: int  # the unreferenced SEALED slot to evict first, -1 if none
-    expired: bool  # whether `evict` outlived the TTL (else it is the least recently used)
-    reserved: list[int]  # RESERVED slots
-
-
 _F64 = struct.Struct("<d")
 
 
@@ -190,14 +179,6 @@ class SlotTable:
             raise ProtocolViolation(f"slot {slot}: illegal transition {was.label} -> {record.state.label}")
         self.native.write_record(slot, *record, needle)
 
-    def stripe_look(self, stripe: int, now: float) -> StripeLook:
-        """One native look at `stripe`'s records (its section held); records that fail their crc
-        are quarantined, as `read` does."""
-        free, evict, expired, reserved, damaged = self.native.stripe_look(stripe, now)
-        for slot in damaged:
-            self.on_damaged(slot)
-        return StripeLook(free, evict, expired, reserved)
-
     def quarantine(self, slot: int, record: SlotRecord) -> None:
         """The unchecked write for a record that failed its crc: `record` must be STALE or EMPTY."""
         assert record.state in (STALE, EMPTY)
@@ -206,17 +187,6 @@ class SlotTable:
     def gen(self, slot: int) -> int:
         """The slot's current generation, read without a lock."""
         return int(self.array["gen"][slot])
-
-    # ------------------------------------------------------------------ keys
-    def set_meta(self, slot: int, modality: int, kind: int) -> None:
-        """The modality and key kind of the key a reservation is for (informational, outside the
-        crc; the key itself is written with the reservation's record: `write(..., needle)`)."""
-        moff = self._slots_off + SLOT_SIZE * slot + S_META
-        self.idx[moff : moff + META.size] = META.pack(modality, kind)
-
-    def find(self, stripe: int, needle: bytes) -> list[int]:
-        """Slots of `stripe` whose key record is `needle` (the native key scan)."""
-        return self.native.find(stripe, needle)
 
     # ------------------------------------------------------------------ access times
     def last_access(self, slot: int) -> float:
