@@ -6,7 +6,9 @@
   wakes them all at once. They wait in slices and look again between them (the slot may have been
   sealed, evicted and reserved for another key before a waiter started waiting).
 - A RESERVED record whose semaphore is 0 has a dead owner: the next claimer takes it over with
-  gen + 1 (a repair or the allocator may also free it).
+  gen + 1 (a repair or the allocator may also free it). The claim (this rule, a live owner's to
+  wait on, or a new reservation in a free or freed way) and the seal run in native.c
+  (`claim_in`, `seal_in`, rule 9 there); this module keeps what this process holds.
 - Seal and abandon are fenced: they apply only if the record is still RESERVED by this client with
   the same generation. Generations only grow, so (slot, gen) never names two values.
 - Whatever happens in seal and abandon, the semaphore is released before they return or raise.
