@@ -14,6 +14,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -21,6 +22,8 @@ from shmcache import CacheConfig, EmbeddingCache
 from shmcache.node import counters
 from shmcache.node.audit import audit
 from shmcache.node.crashpoints import CRASH_POINTS, CrashPoint, CrashRow, Survivor
+from shmcache.node.layout import needle_of
+from shmcache.testing import sample_cache_config
 from tests import workers
 from tests.helpers import kill, spawn, stopped, wait_for
 from tests.workers import expected_value, fingerprint, key_of
@@ -138,21 +141,25 @@ def test_counters_read_during_a_retire_count_its_client_once(
         assert cache.stats()["puts"] == 3 and cache.stats()["clients"] == 1
 
 
-def test_a_seal_in_a_stripe_whose_holder_died_inside_repairs_it_then_seals(config: CacheConfig) -> None:
-    """The native seal hands a stripe whose last holder died inside to the locked path, which
-    repairs it and runs the same seal step: the entry is sealed (once), the stripe clean."""
+@pytest.mark.parametrize("stop", [CrashPoint.RESERVED, CrashPoint.UNSEALED_PAYLOAD], ids=["extent", "seal"])
+def test_a_put_in_a_stripe_whose_holder_died_inside_repairs_it_then_goes_on(
+    config: CacheConfig, stop: CrashPoint
+) -> None:
+    """A put stopped after its claim (its allocation next) or after its write (its seal next)
+    while another process dies inside the key's stripe: the native step hands the stripe to the
+    locked path, which repairs it and runs the same step. The entry is sealed, once."""
     with EmbeddingCache(config) as cache:
-        sealer = spawn(workers.put_stopping_before_its_seal, config)
-        assert sealer.pid is not None
-        wait_for(lambda: stopped(sealer.pid), what="the sealer to stop before its seal")  # type: ignore[arg-type]
+        putter = spawn(workers.put_stopping_at, config, stop.value)
+        assert putter.pid is not None
+        wait_for(lambda: stopped(putter.pid), what="the putter to stop")  # type: ignore[arg-type]
         victim = spawn(workers.crash_at, config, CrashPoint.IN_STRIPE_SECTION.value)
         victim.join(60)
         assert victim.exitcode == -9  # inside the stripe of "a" (its put's lookup)
         repairs = cache.stats()["repairs"]
-        os.kill(sealer.pid, signal.SIGCONT)
-        sealer.join(60)
-        assert sealer.exitcode == 0
-        assert cache.stats()["repairs"] == repairs + 1  # by the seal's locked path
+        os.kill(putter.pid, signal.SIGCONT)
+        putter.join(60)
+        assert putter.exitcode == 0
+        assert cache.stats()["repairs"] == repairs + 1  # by the step's locked path
         assert torch.equal(cache.get(key_of("a")), expected_value("a"))
         cache.gc()
         assert audit(cache._node) == []
@@ -172,3 +179,37 @@ def test_a_claim_in_a_stripe_whose_holder_died_inside_repairs_it_then_reserves(c
         assert (after["repairs"], after["computes"]) == (before["repairs"] + 1, before["computes"] + 1)
         cache.gc()
         assert audit(cache._node) == []
+
+
+def test_an_eviction_in_a_stripe_whose_holder_died_inside_repairs_it_then_evicts(namespace: str) -> None:
+    """The allocator's eviction of the least recently used entry ("a"), whose stripe's last
+    holder died inside: the native step hands it to the locked path, which repairs the stripe
+    and evicts there."""
+    config = sample_cache_config(namespace, capacity_bytes=1 << 20, return_mode="clone")
+    value = np.ones(300 << 10, dtype=np.uint8)  # three fit: a fourth evicts "a"
+    with EmbeddingCache(config) as cache:
+        node = cache._node
+        names = [
+            "a",
+            *(
+                n
+                for n in (f"k{i}" for i in range(64))
+                if node.stripe_of(needle_of(key_of(n))) != node.stripe_of(needle_of(key_of("a")))
+            ),
+        ]
+        for name in names[:3]:
+            cache.put(key_of(name), value)
+            time.sleep(0.002)  # "a" is the least recently used
+        victim = spawn(workers.crash_at, config, CrashPoint.IN_STRIPE_SECTION.value)
+        victim.join(60)
+        assert victim.exitcode == -9  # inside the stripe of "a" (its put's lookup)
+        before = cache.stats()
+        cache.put(key_of(names[3]), value)
+        after = cache.stats()
+        assert (after["repairs"], after["evictions_lru"]) == (
+            before["repairs"] + 1,
+            before["evictions_lru"] + 1,
+        )
+        assert [cache.contains(key_of(n)) for n in names[:4]] == [False, True, True, True]
+        cache.gc()
+        assert audit(node) == []

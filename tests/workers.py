@@ -162,12 +162,12 @@ def stop_retiring(config: CacheConfig, names: list[str]) -> None:
             cache.put(key_of(name), expected_value(name))
 
 
-def put_stopping_before_its_seal(config: CacheConfig) -> None:
-    """Put "a", stopping (SIGSTOP, crash point `unsealed-payload`) with the entry written into
-    its reservation's extent and not sealed yet; once continued, finish the put and close."""
+def put_stopping_at(config: CacheConfig, point: str) -> None:
+    """Put "a", stopping (SIGSTOP) at crash point `point` (`reserved`: claimed, no extent yet;
+    `unsealed-payload`: the entry written, not sealed); once continued, finish the put and close."""
     from shmcache.node import crashpoints
 
-    crashpoints.arm(crashpoints.CrashPoint.UNSEALED_PAYLOAD, stop=True)
+    crashpoints.arm(crashpoints.CrashPoint(point), stop=True)
     with EmbeddingCache(config) as cache:
         cache.put(key_of("a"), expected_value("a"))
 

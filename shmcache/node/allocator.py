@@ -5,8 +5,8 @@ under the node section, so one allocator runs at a time; it reads the slot table
 without stripe locks (others may free extents meanwhile, never take free space: taking space
 needs the node section). Records are written in one copy (slots.py), so the look never sees a
 live record as free; half-freed records only make it more careful. The two looks at the table,
-the first-fit gap and the eviction order, are native (native.c, rule 7); deciding what to evict
-and freeing it under the stripe lock is here.
+the first-fit gap and the eviction order, are native (native.c, rule 7), and so is freeing a
+candidate under its stripe lock (`evict`, which checks it again); deciding what to evict is here.
 """
 
 from __future__ import annotations
@@ -15,11 +15,10 @@ import time
 from collections.abc import Callable
 from typing import Final
 
-from shmcache.errors import CapacityError
-from shmcache.node.counters import Counters
-from shmcache.node.layout import Counter
+from shmcache.errors import CapacityError, ReservationLost
+from shmcache.node import _native
 from shmcache.node.sections import Sections
-from shmcache.node.slots import SlotState, SlotTable
+from shmcache.node.slots import SlotTable
 
 __all__ = ["ALIGN", "Allocator", "aligned"]
 
@@ -36,14 +35,9 @@ class Allocator:
     """Finds arena room for reservations, evicting unreferenced entries as needed."""
 
     def __init__(
-        self,
-        slots: SlotTable,
-        sections: Sections,
-        counters: Counters,
-        capacity: int,
-        owner_alive: Callable[[int], bool],
+        self, slots: SlotTable, sections: Sections, capacity: int, owner_alive: Callable[[int], bool]
     ) -> None:
-        self._slots, self._sections, self._counters = slots, sections, counters
+        self._slots, self._sections, self._native = slots, sections, slots.native
         self.capacity = capacity
         self._owner_alive = owner_alive
 
@@ -62,6 +56,20 @@ class Allocator:
                 reaped = True
             offset = self.gap(need)
         return offset
+
+    def set_extent(self, slot: int, gen: int, offset: int | None, size: int) -> None:
+        """Our reservation's extent set (`offset` None: cut to `size`, which frees the rest: the
+        stripe section suffices) in one native call, the locked path running the same step when
+        the stripe needs its repair; `ReservationLost` if it was taken over (or its record is
+        damaged: quarantined)."""
+        done = self._native.extent(slot, gen, offset, size)
+        if isinstance(done, _native.Slow):
+            with self._sections.stripe(slot // self._slots.layout.ways):
+                done = self._native.extent_in(slot, gen, offset, size)
+                if isinstance(done, _native.Slow):
+                    self._slots.on_damaged(slot)
+        if done is not True:
+            raise ReservationLost(f"reservation (slot {slot}, gen {gen}) was taken over")
 
     def gap(self, need: int) -> int | None:
         """The lowest free offset of `need` bytes right now, evicting nothing (None if none)."""
@@ -86,17 +94,14 @@ class Allocator:
         return False
 
     def _evict(self, slot: int) -> bool:
-        """Free `slot` if it is still an unreferenced sealed entry or a dead owner's reservation."""
-        table = self._slots
-        with self._sections.stripe(slot // table.layout.ways):
-            record = table.read(slot)
-            if record is None:
-                return True  # the repair quarantined it: its memory may be free now
-            dead = record.state == SlotState.RESERVED and not self._owner_alive(slot)
-            if (record.state == SlotState.SEALED and record.refs == 0 and record.size) or dead:
-                if record.state == SlotState.SEALED:
-                    expired = table.expired(slot, time.monotonic())
-                    self._counters.count(Counter.EVICTIONS_TTL if expired else Counter.EVICTIONS_LRU)
-                table.write(slot, record.state, record.freed())
-                return True
-        return False
+        """Free `slot` if it is still an unreferenced sealed entry or a dead owner's reservation
+        (one native call; the locked path runs the same step when the stripe needs its repair,
+        and a damaged record is quarantined: its memory may be free now)."""
+        evicted = self._native.evict(slot, time.monotonic())
+        if isinstance(evicted, _native.Slow):
+            with self._sections.stripe(slot // self._slots.layout.ways):
+                evicted = self._native.evict_in(slot, time.monotonic())
+                if isinstance(evicted, _native.Slow):
+                    self._slots.on_damaged(slot)
+                    return True
+        return evicted

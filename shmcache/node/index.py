@@ -69,9 +69,7 @@ class NodeIndex:
             native, self.sections, self.repairs.quarantine, self.stripe_of, lambda: self.reclaim()
         )
         self.slots.on_damaged = self.repairs.quarantine
-        self.allocator = Allocator(
-            self.slots, self.sections, self.counters, self.capacity, self.reservations.owner_alive
-        )
+        self.allocator = Allocator(self.slots, self.sections, self.capacity, self.reservations.owner_alive)
         self.client = -1
         self.reclaim: Callable[[], bool] = lambda: False  # the process's dead views' pins, released
         # at once when the arena is full or the pin records are all taken (process/releases.py);
@@ -172,20 +170,14 @@ class NodeIndex:
         """`allocate`'s step under the node section: find room, evicting, and take it."""
         with self.sections.node():
             offset = self.allocator.find(need, self.repairs.reap_dead)
-            with self.sections.stripe(slot // self.layout.ways):
-                if not self.reservations.set_extent(slot, gen, offset, need):
-                    raise ReservationLost(f"reservation (slot {slot}, gen {gen}) was taken over")
+            self.allocator.set_extent(slot, gen, offset, need)
         return offset
 
     def shrink(self, slot: int, gen: int, nbytes: int) -> None:
         """Cut our reservation's extent to its first `nbytes` (0: give it all back). This frees
         arena, which needs only the stripe section (the allocator's rule). `ReservationLost` if
         it was taken over."""
-        with self.sections.stripe(slot // self.layout.ways):
-            record = self.slots.read(slot)
-            size = min(aligned(nbytes), record.size) if record is not None else 0
-            if record is None or not self.reservations.set_extent(slot, gen, record.offset, size):
-                raise ReservationLost(f"reservation (slot {slot}, gen {gen}) was taken over")
+        self.allocator.set_extent(slot, gen, None, aligned(nbytes))
 
     def seal(self, slot: int, gen: int, pins: int, attachment: bytes | None) -> SealedEntry:
         """Fenced seal of our reservation with `pins` pins (none if we are out of pin records) and

@@ -782,6 +782,46 @@ static int claim_in(Index *ix, Py_ssize_t stripe, const char *needle, uint8_t mo
     return *what == R_ERROR ? R_ERROR : R_HIT;
 }
 
+/* Give our reservation (slot, gen) the extent [offset, offset + size), or with `keep` cut its
+ * extent to its first `size` bytes (at most what it has), in the stripe's section: R_HIT, R_MISS
+ * (fenced off: not ours any more), R_DAMAGED (the record fails its crc; nothing written). */
+static int extent_in(Index *ix, Py_ssize_t slot, uint64_t gen, uint64_t offset, uint64_t size, int keep) {
+    record_t rec;
+    if (!read_record(ix, slot, &rec)) {
+        return R_DAMAGED;
+    }
+    if (rec.state != RESERVED || rec.owner != ix->row || rec.gen != gen) {
+        return R_MISS;
+    }
+    rec.size = keep && rec.size < size ? rec.size : size;
+    rec.offset = keep ? rec.offset : offset;
+    write_record(ix, slot, &rec);
+    return R_HIT;
+}
+
+/* Free slot's extent for the allocator if it is still an unreferenced sealed entry (an eviction,
+ * counted as expired or least recently used) or a dead owner's reservation: R_HIT freed, R_MISS
+ * not (pinned or reused since the allocator's look), R_DAMAGED (nothing written), R_ERROR. */
+static int evict_in(Index *ix, Py_ssize_t slot, double now) {
+    record_t rec;
+    if (!read_record(ix, slot, &rec)) {
+        return R_DAMAGED;
+    }
+    if (rec.state == SEALED && rec.refs == 0 && rec.size) {
+        count(ix, expired(ix, slot, now) ? COUNTER_EVICTIONS_TTL : COUNTER_EVICTIONS_LRU, 1);
+    } else if (rec.state == RESERVED) {
+        int held = sem_held(ix, slot);
+        if (held != 0) {
+            return held < 0 ? R_ERROR : R_MISS;
+        }
+    } else {
+        return R_MISS;
+    }
+    freed(&rec);
+    write_record(ix, slot, &rec);
+    return R_HIT;
+}
+
 /* Drop `n` of our pins on (slot, gen). R_DAMAGED: the record fails its crc (our pins are gone:
  * the caller quarantines it, and the recount there no longer counts them). */
 static int unpin_in(Index *ix, int32_t slot, uint64_t gen, uint32_t n) {
@@ -1270,6 +1310,88 @@ static PyObject *Index_claim_in(Index *ix, PyObject *const *args, Py_ssize_t nar
     default:
         return NULL;
     }
+}
+
+/* A one-slot step's answer (R_HIT, R_MISS, R_DAMAGED, R_ERROR) as Python: True, False, SLOW (a
+ * damaged record: the caller quarantines it on the locked path) or NULL. */
+static PyObject *slot_answer(int found) {
+    switch (found) {
+    case R_HIT:
+        Py_RETURN_TRUE;
+    case R_MISS:
+        Py_RETURN_FALSE;
+    case R_DAMAGED:
+        return Py_NewRef(SLOW);
+    default:
+        return NULL;
+    }
+}
+
+static int extent_args(Index *ix, PyObject *const *args, Py_ssize_t nargs, Py_ssize_t *slot, uint64_t *gen,
+                       uint64_t *offset, uint64_t *size, int *keep) {
+    if (usage_error(nargs, 4, "extent(slot, gen, offset, size)") < 0 || as_ssize(args[0], slot) < 0 ||
+        as_u64(args[1], gen) < 0 || (args[2] != Py_None && as_u64(args[2], offset) < 0) ||
+        as_u64(args[3], size) < 0 || check_slot(ix, *slot) < 0) {
+        return -1;
+    }
+    *keep = args[2] == Py_None;
+    return 0;
+}
+
+/* extent(slot, gen, offset, size): our reservation's extent set (offset None: cut to `size`);
+ * True, False (fenced off) or SLOW. extent_in: the same step, the stripe's section held. */
+static PyObject *Index_extent(Index *ix, PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t slot;
+    uint64_t gen, offset = 0, size;
+    int keep;
+    if (extent_args(ix, args, nargs, &slot, &gen, &offset, &size, &keep) < 0 || check_live(ix) < 0) {
+        return NULL;
+    }
+    int entered = enter_stripe_fast(ix, slot / ix->ways);
+    if (entered <= 0) {
+        return entered < 0 ? NULL : Py_NewRef(SLOW);
+    }
+    int found = extent_in(ix, slot, gen, offset, size, keep);
+    return leave_stripe(ix, slot / ix->ways) < 0 ? NULL : slot_answer(found);
+}
+
+static PyObject *Index_extent_in(Index *ix, PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t slot;
+    uint64_t gen, offset = 0, size;
+    int keep;
+    if (extent_args(ix, args, nargs, &slot, &gen, &offset, &size, &keep) < 0) {
+        return NULL;
+    }
+    return slot_answer(extent_in(ix, slot, gen, offset, size, keep));
+}
+
+/* evict(slot, now): the allocator's eviction of one candidate; True (freed), False or SLOW.
+ * evict_in: the same step, the stripe's section held. */
+static PyObject *evict_call(Index *ix, PyObject *const *args, Py_ssize_t nargs, int enter) {
+    Py_ssize_t slot;
+    double now;
+    if (usage_error(nargs, 2, enter ? "evict(slot, now)" : "evict_in(slot, now)") < 0 ||
+        as_ssize(args[0], &slot) < 0 || as_double(args[1], &now) < 0 || check_slot(ix, slot) < 0 ||
+        (enter && check_live(ix) < 0)) {
+        return NULL;
+    }
+    if (!enter) {
+        return slot_answer(evict_in(ix, slot, now));
+    }
+    int entered = enter_stripe_fast(ix, slot / ix->ways);
+    if (entered <= 0) {
+        return entered < 0 ? NULL : Py_NewRef(SLOW);
+    }
+    int found = evict_in(ix, slot, now);
+    return leave_stripe(ix, slot / ix->ways) < 0 ? NULL : slot_answer(found);
+}
+
+static PyObject *Index_evict(Index *ix, PyObject *const *args, Py_ssize_t nargs) {
+    return evict_call(ix, args, nargs, 1);
+}
+
+static PyObject *Index_evict_in(Index *ix, PyObject *const *args, Py_ssize_t nargs) {
+    return evict_call(ix, args, nargs, 0);
 }
 
 /* contains: lock-free (rule 4). True, False, or SLOW. */
@@ -2045,6 +2167,17 @@ static PyMethodDef Index_methods[] = {
     {"claim_in", (PyCFunction)(void (*)(void))Index_claim_in, METH_FASTCALL,
      "claim_in(stripe, needle, modality, kind, now): the claim after a miss, the stripe's section held: "
      "(kind, slot, gen), or the slot whose record fails its crc (quarantine it, then claim again)."},
+    {"extent", (PyCFunction)(void (*)(void))Index_extent, METH_FASTCALL,
+     "extent(slot, gen, offset, size): our reservation's extent set (offset None: cut to its first `size` "
+     "bytes), in its stripe's section: True, False (fenced off) or SLOW (take the locked path)."},
+    {"extent_in", (PyCFunction)(void (*)(void))Index_extent_in, METH_FASTCALL,
+     "extent_in(slot, gen, offset, size): extent's step, the stripe's section held: True, False or SLOW "
+     "(the record fails its crc: quarantine it)."},
+    {"evict", (PyCFunction)(void (*)(void))Index_evict, METH_FASTCALL,
+     "evict(slot, now): free an unreferenced sealed entry (counted) or a dead owner's reservation, in its "
+     "stripe's section: True (freed), False (not evictable now) or SLOW (take the locked path)."},
+    {"evict_in", (PyCFunction)(void (*)(void))Index_evict_in, METH_FASTCALL,
+     "evict_in(slot, now): evict's step, the stripe's section held: True, False or SLOW (quarantine it)."},
     {"seal", (PyCFunction)(void (*)(void))Index_seal, METH_FASTCALL,
      "seal(slot, gen, pins, attachment): the fenced seal of our reservation, in its stripe's section: a "
      "SealedEntry (pinned False: out of pin records), None (fenced off), or SLOW (take the locked path)."},

@@ -120,14 +120,6 @@ class Reservations:
         return Claim(ClaimKind.OWNER, slot, gen)
 
     # ------------------------------------------------------------------ fenced ends (in the stripe section)
-    def set_extent(self, slot: int, gen: int, offset: int, size: int) -> bool:
-        """Give our reservation (slot, gen) its arena extent; False if it was fenced off."""
-        record = self._slots.read(slot)
-        if record is None or not record.owned_by(self.client, gen):
-            return False
-        self._slots.write(slot, record.state, record._replace(offset=offset, size=size))
-        return True
-
     def abandon_in(self, slot: int, gen: int, kind: FailureKind, message: str) -> bool:
         """Free our reservation (slot, gen) and tell its waiters why; False if fenced off."""
         record = self._slots.read(slot)
