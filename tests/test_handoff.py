@@ -14,6 +14,11 @@ from pathlib import Path
 import pytest
 
 from shmcache import CacheClosed, CacheConfig, EmbeddingCache, ReservationTicket
+from shmcache.kernel.semaphores import SemaphoreSet
+from shmcache.node.layout import needle_of
+from shmcache.node.reservations import ClaimKind
+from shmcache.node.slots import FailureKind
+from shmcache.testing import sample_cache_config
 from tests import workers
 from tests.helpers import finished, kill, running, spawn, stopped, wait_for
 from tests.workers import expected_value, fingerprint, key_of
@@ -277,3 +282,36 @@ def test_a_commit_running_when_the_detach_starts_lands(config: CacheConfig) -> N
         assert later is not None and later.owned  # the one nothing wrote into was withdrawn
         later.withdraw()
         assert other.stats()["compute_failures"] == 0
+
+
+def test_no_claim_sees_a_sealed_entry_whose_semaphore_is_still_held(
+    namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The seal gives its semaphore back inside its stripe section. Given back after it (as it
+    once was), a claim of another key of the one-way stripe that ran in between evicted the
+    fresh entry, then failed to take its slot (FULL: the put's value lost, the claimer's
+    computed uncached). Every claim run at a semaphore release of the sealed slot must own it."""
+    config = dataclasses.replace(sample_cache_config(namespace, max_entries=4, ways=1), return_mode="clone")
+    with EmbeddingCache(config) as cache:
+        node = cache._node
+        a = needle_of(key_of("a"))
+        other = next(
+            needle_of(key_of(f"b{i}"))
+            for i in range(256)
+            if node.stripe_of(needle_of(key_of(f"b{i}"))) == node.stripe_of(a)
+        )
+        claims = []
+        release = SemaphoreSet.release
+
+        def claim_first(sems: SemaphoreSet, index: int) -> None:
+            if not claims:
+                claims.append(node.reserve(other, (0, 0), 0))
+            release(sems, index)
+
+        monkeypatch.setattr(SemaphoreSet, "release", claim_first)
+        cache.put(key_of("a"), expected_value("a"))
+        monkeypatch.undo()
+        assert all(claim.kind is ClaimKind.OWNER for claim in claims), claims
+        for claim in claims:
+            node.abandon(claim.slot, claim.gen, FailureKind.FAILED, "test")
+        assert cache.stats()["uncacheable"] == 0

@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from shmcache.errors import CapacityError, CorruptSegment, LockTimeout, PinLimitReached, ReservationLost
+from shmcache.errors import CapacityError, CorruptSegment, LockTimeout, PinLimitReached
 from shmcache.kernel.namespace import Segments
 from shmcache.node import _native, crashpoints
 from shmcache.node.allocator import Allocator, aligned
@@ -63,7 +63,7 @@ class NodeIndex:
             repair_stripe=lambda stripe: self.repairs.stripe(stripe),
             repair_node=lambda: self.repairs.node(),
         )
-        self.reservations = Reservations(self.slots, segments.sems)
+        self.reservations = Reservations(self.slots, segments.sems, self.sections)
         self.repairs = Repairs(self, self.capacity)
         self.lookups = Lookups(
             native, self.sections, self.repairs.quarantine, self.stripe_of, lambda: self.reclaim()
@@ -181,20 +181,9 @@ class NodeIndex:
 
     def seal(self, slot: int, gen: int, pins: int, attachment: bytes | None) -> SealedEntry:
         """Fenced seal of our reservation with `pins` pins (none if we are out of pin records) and
-        its `attachment`, in one native call (the locked path runs the same step when the stripe
-        needs its repair); `ReservationLost` if taken over. The semaphore is released."""
-        try:
-            sealed: SealedEntry | _native.Slow | int | None = self.native.seal(slot, gen, pins, attachment)
-            if isinstance(sealed, _native.Slow):
-                with self.sections.stripe(slot // self.layout.ways):
-                    sealed = self.native.seal_in(slot, gen, pins, attachment, time.monotonic())
-                    if isinstance(sealed, int):
-                        self.repairs.quarantine(sealed)  # its record is damaged: the reservation is lost
-            if not isinstance(sealed, SealedEntry):
-                raise ReservationLost(f"reservation (slot {slot}, gen {gen}) was taken over")
-            return sealed
-        finally:
-            self.reservations.release(slot, gen)
+        its `attachment` (`Reservations.seal`); `ReservationLost` if taken over. The semaphore
+        is released."""
+        return self.reservations.seal(slot, gen, pins, attachment)
 
     def set_aside(self, slot: int, gen: int) -> bool:
         """Take our reservation out of the index, its extent kept by one pin of ours (slots.py): a

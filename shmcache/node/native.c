@@ -215,9 +215,9 @@ typedef struct {
     int32_t *free_pins; /* a stack of free pin record indices */
     Py_ssize_t free_top;
     PyTypeObject *sealed; /* slots.SealedEntry: a hit is one (a tuple subclass of 6 items) */
-    /* the allocator's scratch, made once (the GIL is held while either is in use, and neither
-     * scan calls back into Python): `gap`'s extents and room to sort them (2 x slots), and
-     * `evictable`'s candidates (slots) */
+    /* the allocator's scratch, made once: `gap`'s extents and room to sort them (2 x slots), and
+     * `evictable`'s candidates (slots); one user at a time, as both run under the node section
+     * (allocator.py), which one thread of one process holds */
     extent_t *extents;
     candidate_t *candidates;
 } Index;
@@ -634,6 +634,16 @@ static int sem_failed(const char *what) {
 static int sem_held(Index *ix, Py_ssize_t slot) {
     int value = semctl(ix->semid, (int)slot, GETVAL);
     return value < 0 ? sem_failed("semctl(GETVAL)") : value != 0;
+}
+
+/* Give back our hold of slot's semaphore (the -1 with SEM_UNDO of kernel/semaphores.py's
+ * release): 0, or -1 with an exception set (the one already pending, if any, is kept). */
+static int sem_give(Index *ix, Py_ssize_t slot) {
+    struct sembuf op = {(unsigned short)slot, -1, SEM_UNDO | IPC_NOWAIT};
+    if (semop(ix->semid, &op, 1) == 0) {
+        return 0;
+    }
+    return PyErr_Occurred() ? -1 : sem_failed("release");
 }
 
 /* 1 taken, 0 not (someone holds it), -1 with an exception set. */
@@ -1181,27 +1191,37 @@ static PyObject *seal_answer(Index *ix, int found, const hit_t *sealed, int slow
     }
 }
 
-/* seal(slot, gen, pins, attachment): the whole seal transaction (seal_in in a natively entered
- * section); SLOW if the stripe needs its repair or the record is damaged. */
+/* seal(slot, gen, pins, attachment, release): the whole seal transaction (seal_in in a natively
+ * entered section); SLOW if the stripe needs its repair or the record is damaged. With `release`
+ * (the caller held the reservation's semaphore and forgot it), the semaphore is given back
+ * whatever happens, except when the answer is SLOW (the locked path gives it back): in the
+ * section after the seal, so that no claim sees the entry SEALED with its semaphore still held
+ * (it would evict it, then fail to take the slot). */
 static PyObject *Index_seal(Index *ix, PyObject *const *args, Py_ssize_t nargs) {
     Py_ssize_t slot;
     uint64_t gen;
     uint32_t pins;
     const char *attachment;
-    if (seal_args(ix, args, nargs, 4, "seal(slot, gen, pins, attachment)", &slot, &gen, &pins, &attachment) < 0 ||
-        check_live(ix) < 0) {
+    int release;
+    if (seal_args(ix, args, nargs, 5, "seal(slot, gen, pins, attachment, release)", &slot, &gen, &pins,
+                  &attachment) < 0 ||
+        as_flag(args[4], &release) < 0) {
         return NULL;
     }
     Py_ssize_t stripe = slot / ix->ways;
-    int entered = enter_stripe_fast(ix, stripe);
+    int entered = check_live(ix) < 0 ? -1 : enter_stripe_fast(ix, stripe);
     if (entered <= 0) {
+        if (entered < 0 && release) {
+            sem_give(ix, slot);
+        }
         return entered < 0 ? NULL : Py_NewRef(SLOW);
     }
     hit_t sealed;
     /* a process that detached meanwhile (row -1) owns nothing: fenced off, as a late write's seal is */
     int found = seal_in(ix, slot, gen, pins, attachment, monotonic_now(), &sealed);
-    /* whole records only, and nothing is written before an error: the section is left clean */
-    if (leave_stripe(ix, stripe) < 0) {
+    int given = release && found != R_DAMAGED ? sem_give(ix, slot) : 0;
+    /* whole records only, and an error is raised before anything is written: left clean */
+    if (leave_stripe(ix, stripe) < 0 || given < 0) {
         return NULL;
     }
     return seal_answer(ix, found, &sealed, 1);
@@ -1271,15 +1291,20 @@ static PyObject *Index_reserve(Index *ix, PyObject *const *args, Py_ssize_t narg
         found = claim_in(ix, stripe, needle, modality, kind, now, &what, &slot, &gen);
         found = found == R_HIT ? R_MISS : found; /* R_MISS from here on: a claim */
     }
-    /* whole records only, and nothing is written before an error: the section is left clean */
-    if (leave_stripe(ix, stripe) < 0) {
+    /* whole records only (an error may follow an expiry or an eviction): the section is left clean */
+    int left = leave_stripe(ix, stripe);
+    PyObject *claim = left == 0 && found == R_MISS ? claim_tuple(what, slot, gen) : NULL;
+    if (claim == NULL && found == R_MISS && (what == CLAIM_OWNER || what == CLAIM_TAKEOVER)) {
+        sem_give(ix, slot); /* a reservation Python will not hear of: its owner reads as dead */
+    }
+    if (left < 0) {
         return NULL;
     }
     switch (found) {
     case R_HIT:
         return hit_tuple(ix, &hit);
     case R_MISS:
-        return claim_tuple(what, slot, gen);
+        return claim;
     case R_DAMAGED:
         return Py_NewRef(SLOW);
     default:
@@ -1302,9 +1327,14 @@ static PyObject *Index_claim_in(Index *ix, PyObject *const *args, Py_ssize_t nar
     int what = CLAIM_FULL;
     Py_ssize_t slot = -1;
     uint64_t gen = 0;
+    PyObject *claim;
     switch (claim_in(ix, stripe, needle, modality, kind, now, &what, &slot, &gen)) {
     case R_HIT:
-        return claim_tuple(what, slot, gen);
+        claim = claim_tuple(what, slot, gen);
+        if (claim == NULL && (what == CLAIM_OWNER || what == CLAIM_TAKEOVER)) {
+            sem_give(ix, slot); /* a reservation Python will not hear of: its owner reads as dead */
+        }
+        return claim;
     case R_DAMAGED:
         return PyLong_FromSsize_t(slot);
     default:
@@ -2179,7 +2209,8 @@ static PyMethodDef Index_methods[] = {
     {"evict_in", (PyCFunction)(void (*)(void))Index_evict_in, METH_FASTCALL,
      "evict_in(slot, now): evict's step, the stripe's section held: True, False or SLOW (quarantine it)."},
     {"seal", (PyCFunction)(void (*)(void))Index_seal, METH_FASTCALL,
-     "seal(slot, gen, pins, attachment): the fenced seal of our reservation, in its stripe's section: a "
+     "seal(slot, gen, pins, attachment, release): the fenced seal of our reservation, in its stripe's "
+     "section (with `release`, its semaphore given back there, whatever happens, unless SLOW): a "
      "SealedEntry (pinned False: out of pin records), None (fenced off), or SLOW (take the locked path)."},
     {"seal_in", (PyCFunction)(void (*)(void))Index_seal_in, METH_FASTCALL,
      "seal_in(slot, gen, pins, attachment, now): seal's step, its stripe's section held: a SealedEntry, "

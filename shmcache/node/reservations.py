@@ -32,8 +32,10 @@ import threading
 import time
 from dataclasses import dataclass
 
+from shmcache.errors import ReservationLost
 from shmcache.kernel.semaphores import SemaphoreSet
 from shmcache.node import _native
+from shmcache.node.sections import Sections
 from shmcache.node.slots import FailureKind, SealedEntry, SlotState, SlotTable
 
 __all__ = ["Claim", "ClaimKind", "Reservations"]
@@ -62,8 +64,9 @@ class Claim:
 class Reservations:
     """The reservation semaphores of a namespace, and which of them this process holds."""
 
-    def __init__(self, slots: SlotTable, sems: SemaphoreSet) -> None:
+    def __init__(self, slots: SlotTable, sems: SemaphoreSet, sections: Sections) -> None:
         self._slots, self._sems, self._layout, self._native = slots, sems, slots.layout, slots.native
+        self._sections = sections
         self._held: dict[int, int] = {}  # slot -> the generation we hold its semaphore for
         self._lock = threading.Lock()
         self.client = -1
@@ -85,12 +88,17 @@ class Reservations:
         """Release slot's semaphore if this process still holds it for reservation (slot, gen)
         (waiters wake; if the slot is still RESERVED they take it over with gen + 1, which
         fencing makes safe)."""
+        if self._forget(slot, gen):
+            self._sems.release(self._layout.slot_sem(slot))
+
+    def _forget(self, slot: int, gen: int) -> bool:
+        """Stop recording our hold of reservation (slot, gen)'s semaphore (its caller gives it
+        back now, exactly once); False if we do not hold it."""
         with self._lock:
             held = self._held.get(slot) == gen
             if held:
                 del self._held[slot]
-        if held:
-            self._sems.release(self._layout.slot_sem(slot))
+        return held
 
     def wait(self, slot: int, timeout: float) -> None:
         """Block until slot's reservation is released or its owner dies (`SemaphoreTimeout`)."""
@@ -120,6 +128,30 @@ class Reservations:
         return Claim(ClaimKind.OWNER, slot, gen)
 
     # ------------------------------------------------------------------ fenced ends (in the stripe section)
+    def seal(self, slot: int, gen: int, pins: int, attachment: bytes | None) -> SealedEntry:
+        """Seal our reservation (slot, gen) with `pins` pins (none if we are out of pin records)
+        and `attachment`, and release its semaphore in the same stripe section (a claim must not
+        see the entry sealed with its semaphore held), whatever happens: one native call
+        (native.c's `seal_in`), or the locked path when the stripe needs its repair (a damaged
+        record quarantined). `ReservationLost` if it was fenced off."""
+        held = self._forget(slot, gen)
+        sealed: SealedEntry | _native.Slow | int | None = self._native.seal(slot, gen, pins, attachment, held)
+        if isinstance(sealed, _native.Slow):
+            try:
+                with self._sections.stripe(slot // self._layout.ways):
+                    sealed = self._native.seal_in(slot, gen, pins, attachment, time.monotonic())
+                    if isinstance(sealed, int):
+                        self._slots.on_damaged(sealed)  # the reservation is lost with its record
+                    if held:
+                        held = False
+                        self._sems.release(self._layout.slot_sem(slot))
+            finally:
+                if held:
+                    self._sems.release(self._layout.slot_sem(slot))
+        if not isinstance(sealed, SealedEntry):
+            raise ReservationLost(f"reservation (slot {slot}, gen {gen}) was taken over")
+        return sealed
+
     def abandon_in(self, slot: int, gen: int, kind: FailureKind, message: str) -> bool:
         """Free our reservation (slot, gen) and tell its waiters why; False if fenced off."""
         record = self._slots.read(slot)
