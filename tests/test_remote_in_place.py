@@ -238,7 +238,7 @@ def test_an_interrupt_anywhere_after_a_failed_transfer_never_frees_its_memory(
     numel = 1 << 15  # 64 KiB entries
     node_a = remote_config(shmcache_namespace, shmcache_mooncake.address)
     node_b = dataclasses.replace(node_a, namespace=other_namespace, remote_timeout_s=0.5)
-    names = [f"item-{i}" for i in range(24)]
+    names = [f"item-{i}" for i in range(32)]
     with EmbeddingCache(node_a) as a:
         for name in names:
             a.put(key_of(name), expected_value(name, numel))
@@ -260,7 +260,8 @@ def test_an_interrupt_anywhere_after_a_failed_transfer_never_frees_its_memory(
                 RemoteBridge._pull_in_place.__code__: "fetched",
                 SetAside.set_aside.__code__: None,
             }
-            for at, name in enumerate(names[2:]):
+            at, quiet = 0, 0
+            for name in names[2:]:
                 before, set_aside = held(), b.stats()["remote_set_aside"]
                 interrupter = InterruptAtLine(at, answered)
                 os.kill(master, signal.SIGSTOP)
@@ -268,14 +269,24 @@ def test_an_interrupt_anywhere_after_a_failed_transfer_never_frees_its_memory(
                     with interrupter.tracing(), contextlib.suppress(KeyboardInterrupt):
                         value = b.get_or_compute(key_of(name), lambda n=name: expected_value(n, numel))
                     counted = b.stats()["remote_set_aside"] - set_aside
-                    assert counted == 1 or (counted == 0 and interrupter.fired), counted  # never twice
-                    if not interrupter.fired:  # past the set-aside: the pull looked again and computed
+                    if not (counted or interrupter.fired or interrupter.seen):
+                        # no transfer hung (the master's connection closed under the call: RPC_FAIL,
+                        # answered at once, nothing in flight): nothing was set aside, no line of
+                        # the set-aside ran; the same line again, with the next name
                         assert fingerprint(value) == fingerprint(expected_value(name, numel))
                         del value
-                        assert at > 5 and interrupter.seen == at, at  # every line was interrupted once
-                        break
-                    new = held() - before  # (an earlier pull's late call may free its extent meanwhile)
-                    assert len(new) == 1, f"interrupted at line {at}: its extent was freed"
+                        quiet += 1
+                        assert quiet <= 3, "the pulls never reached a hung transfer"
+                    else:
+                        assert counted == 1 or (counted == 0 and interrupter.fired), counted  # never twice
+                        if not interrupter.fired:  # past the set-aside: it looked again and computed
+                            assert fingerprint(value) == fingerprint(expected_value(name, numel))
+                            del value
+                            assert at > 5 and interrupter.seen == at, at  # every line interrupted once
+                            break
+                        new = held() - before  # (an earlier pull's late call may free its extent)
+                        assert len(new) == 1, f"interrupted at line {at}: its extent was freed"
+                        at += 1
                 finally:
                     os.kill(master, signal.SIGCONT)
                 wait_for(lambda: _available(b), timeout=30, what="the master to be seen again")
