@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from shmcache import CacheConfig, EmbeddingCache
@@ -228,6 +229,13 @@ def test_an_interrupted_pull_gets_its_memory_back_when_the_late_call_ends(
     assert puller.exitcode == 0
 
 
+def _held(slots: np.ndarray) -> set[tuple[int, int]]:
+    """(slot, gen) of the extents out of the allocator's hands: reserved or set aside."""
+    state = slots["state"]
+    mask = ((state == SlotState.RESERVED) & (slots["size"] > 0)) | (state == SlotState.STALE)
+    return {(int(slot), int(slots["gen"][slot])) for slot in mask.nonzero()[0]}
+
+
 def test_an_interrupt_anywhere_after_a_failed_transfer_never_frees_its_memory(
     shmcache_mooncake: MooncakeMaster, shmcache_namespace: str, other_namespace: str
 ) -> None:
@@ -246,12 +254,6 @@ def test_an_interrupt_anywhere_after_a_failed_transfer_never_frees_its_memory(
         with EmbeddingCache(node_b) as b:
             slots = b._node.slots.array  # read only: which extents are held
 
-            def held() -> set[tuple[int, int]]:
-                """(slot, gen) of the extents out of the allocator's hands: reserved or set aside."""
-                state = slots["state"]
-                mask = ((state == SlotState.RESERVED) & (slots["size"] > 0)) | (state == SlotState.STALE)
-                return {(int(slot), int(slots["gen"][slot])) for slot in mask.nonzero()[0]}
-
             for name in names[:2]:  # a steady size: the next pulls of the kind guess it
                 pulled = b.get_or_compute(key_of(name), lambda: pytest.fail("node B computed"))
                 del pulled
@@ -262,7 +264,7 @@ def test_an_interrupt_anywhere_after_a_failed_transfer_never_frees_its_memory(
             }
             at, quiet = 0, 0
             for name in names[2:]:
-                before, set_aside = held(), b.stats()["remote_set_aside"]
+                before, set_aside = _held(slots), b.stats()["remote_set_aside"]
                 interrupter = InterruptAtLine(at, answered)
                 os.kill(master, signal.SIGSTOP)
                 try:
@@ -284,7 +286,7 @@ def test_an_interrupt_anywhere_after_a_failed_transfer_never_frees_its_memory(
                             del value
                             assert at > 5 and interrupter.seen == at, at  # every line interrupted once
                             break
-                        new = held() - before  # (an earlier pull's late call may free its extent)
+                        new = _held(slots) - before  # (an earlier pull's late call may free its extent)
                         assert len(new) == 1, f"interrupted at line {at}: its extent was freed"
                         at += 1
                 finally:
