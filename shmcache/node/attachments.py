@@ -40,11 +40,6 @@ class AttachmentTable:
         off = self._layout.attachment_off(slot)
         self._idx[off : off + ATTACHMENT_SIZE] = record
 
-    def gen(self, slot: int) -> int:
-        """The generation the slot's record was last written for (0: never)."""
-        gen: int = _GEN.unpack_from(self._idx, self._layout.attachment_off(slot))[0]
-        return gen
-
     def table(self, dtype: np.dtype) -> np.ndarray:
         """Every record as one array of `dtype` (a prefix of the record), read without a lock."""
         table: np.ndarray = np.ndarray(

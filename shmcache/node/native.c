@@ -1659,15 +1659,6 @@ static PyObject *Index_touch(Index *ix, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
-static PyObject *Index_expired(Index *ix, PyObject *const *args, Py_ssize_t nargs) {
-    Py_ssize_t slot;
-    double now;
-    if (slot_now_args(ix, args, nargs, "expired(slot, now)", &slot, &now) < 0) {
-        return NULL;
-    }
-    return PyBool_FromLong(expired(ix, slot, now));
-}
-
 /* ------------------------------------------------------------- the allocator's look (rule 7) */
 
 #define RADIX_BITS 11
@@ -2230,8 +2221,6 @@ static PyMethodDef Index_methods[] = {
      "is stamped and, if counted, a process hit counted)."},
     {"touch", (PyCFunction)(void (*)(void))Index_touch, METH_FASTCALL,
      "touch(slot, now): stamp an access (LRU, TTL): one aligned 8-byte store."},
-    {"expired", (PyCFunction)(void (*)(void))Index_expired, METH_FASTCALL,
-     "expired(slot, now): the entry's last access is older than the TTL."},
     {"enter", (PyCFunction)(void (*)(void))Index_enter, METH_FASTCALL,
      "enter(lock, held_off, what): take a section; True if its last holder died inside."},
     {"leave", (PyCFunction)(void (*)(void))Index_leave, METH_FASTCALL,

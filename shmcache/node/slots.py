@@ -184,21 +184,9 @@ class SlotTable:
         assert record.state in (STALE, EMPTY)
         self.native.write_record(slot, *record, None)
 
-    def gen(self, slot: int) -> int:
-        """The slot's current generation, read without a lock."""
-        return int(self.array["gen"][slot])
-
     # ------------------------------------------------------------------ access times
     def last_access(self, slot: int) -> float:
         return float(_F64.unpack_from(self.idx, self._slots_off + SLOT_SIZE * slot + S_LAST_ACCESS)[0])
-
-    def touch(self, slot: int, now: float) -> None:
-        """Record an access for LRU (a lone aligned 8-byte store; approximate by design)."""
-        self.native.touch(slot, now)
-
-    def expired(self, slot: int, now: float) -> bool:
-        """True if the entry's last access is older than the TTL."""
-        return self.native.expired(slot, now)
 
     # ------------------------------------------------------------------ failures
     def record_failure(self, slot: int, gen: int, kind: FailureKind, message: str) -> None:
