@@ -42,21 +42,16 @@ REMEMBERED: Final = 4096  # dead views' mappings a process remembers (newest fir
 
 
 class _Mapping(NamedTuple):
-    """This process's live zero-copy mapping of one entry (a NamedTuple: made on every delivery)."""
+    """This process's live zero-copy mapping of one entry and the value returned over it, which
+    repeat hits alias while it is alive and unchanged (a NamedTuple: made on every delivery)."""
 
     sealed: SealedEntry  # the entry whose head was parsed: (slot, gen) and where it lies in the arena
     holder: weakref.ref[np.ndarray]  # the entry's bytes; alive while any returned view is
     parsed: decode.ParsedValue
-    template: _Template | None  # a value returned earlier, aliased by repeat hits
-    aliases: GpuRecord | None = None  # the template aliases this exporter's device memory
-
-
-class _Template(NamedTuple):
-    """A value returned earlier that repeat hits alias while it is alive and unchanged."""
-
-    value: weakref.ref[Any]
-    signature: tuple[Any, ...]  # its signature when it was returned
-    aliasing: decode.Aliasing  # how to check it again and alias it
+    template: weakref.ref[Any] | None  # the value returned; None: never aliased (`decode.aliasing`)
+    signature: tuple[Any, ...]  # the template's signature when it was returned
+    aliasing: decode.Aliasing | None  # how to check the template again and alias it
+    aliases: GpuRecord | None  # the template aliases this exporter's device memory
 
 
 class Views:
@@ -79,11 +74,13 @@ class Views:
         self._local: dict[bytes, _Mapping] = {}
         self._bound = REMEMBERED  # `_local`'s size that makes `_keep` forget dead mappings
         self._lock = threading.Lock()
+        view_pin = int(not self._clone)
+        self._pins = (max(view_pin, 1), view_pin + 1)  # `pins_for` without, with a request
 
     def pins_for(self, request_id: RequestId | None) -> int:
         """Pins a delivery takes: a view pin in view mode, plus a request ref. In clone mode
         without a request, one pin covers the copy and is released right after it."""
-        return max(int(not self._clone) + int(request_id is not None), 1)
+        return self._pins[request_id is not None]
 
     def pin_late(self, sealed: SealedEntry, request_id: RequestId | None, pins: int) -> SealedEntry | None:
         """For a seal that found this process out of pin records (`sealed.pinned` False): take the
@@ -257,11 +254,13 @@ class Views:
             return value
         record = GpuRecord.from_attachment(sealed.attachment) if aliased else None
         ops = decode.aliasing(value)
-        if ops is not None:
-            template = _Template(weakref.ref(value), ops.built(value, parsed.single), ops)
+        if ops is None:
+            kept[needle] = _Mapping(sealed, weakref.ref(holder), parsed, None, (), None, record)
         else:
-            template = None
-        kept[needle] = _Mapping(sealed, weakref.ref(holder), parsed, template, record)
+            signature = ops.built(value, parsed.single)
+            kept[needle] = _Mapping(
+                sealed, weakref.ref(holder), parsed, weakref.ref(value), signature, ops, record
+            )
         return value
 
     def _keep(self, kept: dict[bytes, _Mapping]) -> None:
@@ -288,7 +287,12 @@ class Views:
         checked: decode.ParsedValue | None,
     ) -> tuple[Value, decode.ParsedValue, bool]:
         """(value, its parsed format, whether it aliases device memory of the exporter)."""
-        parsed = checked if checked is not None else self._parsed_before(needle, sealed)
+        # the head this process checked when it last delivered `needle`, if that was this very
+        # entry, (slot, gen) at the same extent with the same attachment: a sealed entry's bytes
+        # never change, a new reservation is a new generation (and a repair may hand one out twice)
+        parsed = checked
+        if parsed is None and (before := self._local.get(needle)) is not None and before.sealed == sealed:
+            parsed = before.parsed
         if parsed is None:
             # the head is checked in the shared mapping (the same bytes: the entry is pinned), so
             # the view's pages are first touched by the consumer, if at all
@@ -303,13 +307,6 @@ class Views:
                 return value, parsed, aliased
         value = decode.materialize(holder, parsed, copy=self._clone, base=entry.ENTRY_HEADER_SIZE)
         return value, parsed, False
-
-    def _parsed_before(self, needle: bytes, sealed: SealedEntry) -> decode.ParsedValue | None:
-        """The head this process checked and parsed when it last delivered `needle`, if that was this
-        very entry, (slot, gen) at the same extent with the same attachment: a sealed entry's bytes
-        never change, a new reservation is a new generation (and a repair may hand one out twice)."""
-        before = self._local.get(needle)
-        return before.parsed if before is not None and before.sealed == sealed else None
 
     def _check_unmodified(self, needle: bytes, key: EmbeddingCacheKey, holder: np.ndarray) -> None:
         """(Debug mode) `ViewMutated` if a view this process was given of `key` was written to
@@ -331,9 +328,9 @@ class Views:
             return None
         node, slot, gen = self._node, found.sealed.slot, found.sealed.gen
         template = None
-        if (aliased := found.template) is not None:
-            template = aliased.value()
-            if template is not None and aliased.aliasing.signature(template) != aliased.signature:
+        if (aliased := found.template) is not None and (ops := found.aliasing) is not None:
+            template = aliased()
+            if template is not None and ops.signature(template) != found.signature:
                 template = None  # its holder changed it in place: not aliased
         if found.parsed.on_device and self._device.reader() is not None:
             if template is None:
@@ -347,8 +344,8 @@ class Views:
             return None
         if request_id is not None and not self._ref_repeat(slot, gen, request_id, count):
             return None
-        if template is not None and aliased is not None:
-            return aliased.aliasing.alias(template)
+        if template is not None and ops is not None:
+            return ops.alias(template)
         return decode.materialize(holder, found.parsed, base=entry.ENTRY_HEADER_SIZE)
 
     def _ref_repeat(self, slot: int, gen: int, request_id: RequestId, count: bool) -> bool:
