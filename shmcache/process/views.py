@@ -254,13 +254,10 @@ class Views:
             return value
         record = GpuRecord.from_attachment(sealed.attachment) if aliased else None
         ops = decode.aliasing(value)
-        if ops is None:
-            kept[needle] = _Mapping(sealed, weakref.ref(holder), parsed, None, (), None, record)
-        else:
-            signature = ops.built(value, parsed.single)
-            kept[needle] = _Mapping(
-                sealed, weakref.ref(holder), parsed, weakref.ref(value), signature, ops, record
-            )
+        template, signature = (
+            (None, ()) if ops is None else (weakref.ref(value), ops.built(value, parsed.single))
+        )
+        kept[needle] = _Mapping(sealed, weakref.ref(holder), parsed, template, signature, ops, record)
         return value
 
     def _keep(self, kept: dict[bytes, _Mapping]) -> None:
@@ -287,9 +284,8 @@ class Views:
         checked: decode.ParsedValue | None,
     ) -> tuple[Value, decode.ParsedValue, bool]:
         """(value, its parsed format, whether it aliases device memory of the exporter)."""
-        # the head this process checked when it last delivered `needle`, if that was this very
-        # entry, (slot, gen) at the same extent with the same attachment: a sealed entry's bytes
-        # never change, a new reservation is a new generation (and a repair may hand one out twice)
+        # the head checked at the last delivery of `needle` here, if of this very (slot, gen, extent,
+        # attachment): a sealed entry never changes, a new reservation is a new gen (a repair's too)
         parsed = checked
         if parsed is None and (before := self._local.get(needle)) is not None and before.sealed == sealed:
             parsed = before.parsed
