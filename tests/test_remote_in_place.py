@@ -259,7 +259,7 @@ def test_an_interrupt_anywhere_after_a_failed_transfer_never_frees_its_memory(
                 del pulled
             master = shmcache_mooncake.process.pid
             answered = {
-                RemoteBridge._pull_in_place.__code__: "fetched",
+                RemoteBridge._write_in_place.__code__: "fetched",
                 SetAside.set_aside.__code__: None,
             }
             at, quiet = 0, 0
