@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+import sys
 from pathlib import Path
 
-from tools import bench
+import pytest
+
+from tools import bench, bench_backends
 
 ROW_KEYS = {
     "system",
@@ -35,3 +41,38 @@ def test_bench_runs_every_system_and_writes_its_outputs(tmp_path: Path) -> None:
     assert 1 <= by_system["shmcache"]["encoder_forwards"] <= distinct  # once per distinct input
     assert "| shmcache |" in (tmp_path / "results.md").read_text()
     assert (tmp_path / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _listening(pids: list[int]) -> list[str]:
+    """The local addresses (hex, as /proc/net/tcp* writes them) of the TCP sockets `pids` listen on."""
+    inodes = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                with contextlib.suppress(OSError):
+                    if (link := os.readlink(fd)).startswith("socket:["):
+                        inodes.add(link[8:-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                found.append(fields[1].rsplit(":", 1)[0])
+    return found
+
+
+def test_the_ray_head_listens_on_loopback_only_and_its_stop_leaves_nothing() -> None:
+    """Ray's servers (GCS, raylet, agents, client server) bind 127.0.0.1 only, and the stop ends
+    every process of the head's session and removes its files."""
+    pytest.importorskip("ray")
+    binary = Path(sys.executable).parent / "ray"
+    head = bench_backends.RayHead(binary, 128 << 20)
+    try:
+        addresses = _listening(bench_backends._session(head.session))
+        assert addresses, "no Ray server listens"
+        loopback = {"0100007F", "0000000000000000FFFF00000100007F"}  # 127.0.0.1, ::ffff:127.0.0.1
+        assert set(addresses) <= loopback, addresses
+    finally:
+        head.send_signal(signal.SIGKILL)
+        head.wait()
+    assert bench_backends._session(head.session) == [] and not Path(head.temp).exists()

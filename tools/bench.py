@@ -31,7 +31,7 @@ import numpy as np
 
 from tools.bench_backends import WIDTH, client_for, start_servers
 
-SYSTEMS = ("none", "lru", "redis", "mooncake", "shmcache", "shmcache+remote", "memcpy")
+SYSTEMS = ("none", "lru", "redis", "mooncake", "ray", "shmcache", "shmcache+remote", "memcpy")
 FULL_SIZES = (1 << 10, 64 << 10, 1 << 20, 8 << 20, 64 << 20)
 QUICK_SIZES = (1 << 10, 64 << 10, 256 << 10)
 
@@ -180,9 +180,14 @@ def _run_system(
 
 
 def run(
-    processes: list[int], requests: int, distinct: int, sizes: tuple[int, ...], seed: int = 0
+    processes: list[int],
+    requests: int,
+    distinct: int,
+    sizes: tuple[int, ...],
+    seed: int = 0,
+    systems: tuple[str, ...] = SYSTEMS,
 ) -> dict[str, Any]:
-    """Every system on the same streams, for each process count."""
+    """Every one of `systems` on the same streams, for each process count."""
     rng = random.Random(seed)
     weights = [1.0 / (rank + 1) for rank in range(distinct)]
     capacity = max(64 << 20, 2 * sum(_value_size(i, sizes) for i in range(distinct)))
@@ -190,7 +195,7 @@ def run(
     skipped: list[str] = []
     for count in processes:
         streams = [rng.choices(range(distinct), weights=weights, k=requests) for _ in range(count)]
-        for system in SYSTEMS:
+        for system in systems:
             row = _run_system(system, count, streams, sizes, capacity)
             if row is None:
                 skipped.append(system)
@@ -293,12 +298,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--distinct", type=int, default=20, help="distinct inputs")
     parser.add_argument("--quick", action="store_true", help="tiny sizes and counts (seconds)")
     parser.add_argument("--out", default="bench-out")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated, of: %(default)s")
     args = parser.parse_args(argv)
+    systems = tuple(args.systems.split(","))
+    if unknown := set(systems) - set(SYSTEMS):
+        parser.error(f"unknown systems: {', '.join(sorted(unknown))}")
     sizes = QUICK_SIZES if args.quick else FULL_SIZES
     processes = [int(p) for p in (args.processes or ("1,2" if args.quick else "1,4,8")).split(",")]
     requests = 20 if args.quick else args.requests
     distinct = 6 if args.quick else args.distinct
-    report = run(processes, requests, distinct, sizes)
+    report = run(processes, requests, distinct, sizes, systems=systems)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(report, indent=2))

@@ -6,11 +6,18 @@ Clients import their libraries when built, in the spawned worker that uses them.
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import os
 import shutil
+import signal
 import socket
 import subprocess
+import sys
+import tempfile
 import time
 from collections import OrderedDict
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,6 +29,7 @@ __all__ = [
     "Memcpy",
     "MooncakeAlone",
     "NoCache",
+    "RayPlasma",
     "Redis",
     "Shmcache",
     "client_for",
@@ -134,6 +142,137 @@ class MooncakeAlone(Client):
         self.store.close()
 
 
+RAY_NAMESPACE = "shmcache-bench"
+# nothing leaves the machine: no usage stats, and every Ray server binds 127.0.0.1 and names it as
+# the node's address (Ray's single-machine mode, its default off Linux) instead of eth0's
+RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+class RayPlasma(Client):
+    """Ray's object store (plasma, in the raylet), the trusted node-local shared-memory store: a
+    value is `ray.put` by the process that computed it and found by the others through a named
+    directory actor (Ray has no content-addressed lookup of its own); a process remembers the
+    references it learned, so a hit is one `ray.get`: a read-only numpy array over the store's
+    shared memory (zero-copy), as a tensor."""
+
+    def __init__(self, address: str) -> None:
+        import logging
+        import warnings
+
+        os.environ.update(RAY_ENV)  # before Ray reads its settings, at its import
+        import ray
+
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        ray.init(address=address, namespace=RAY_NAMESPACE, logging_level=logging.ERROR, log_to_driver=False)
+        self.ray: Any = ray  # (untyped for mypy: its remote handles are made at run time)
+        actor: Any = ray.remote(num_cpus=0)(_RayDirectory)
+        self.directory = actor.options(name="directory", lifetime="detached", get_if_exists=True).remote()
+        self.refs: dict[int, Any] = {}
+
+    def get(self, index: int, compute: Any) -> tuple[Any, bool]:
+        import torch
+
+        ref = self.refs.get(index)
+        if ref is None:
+            found = self.ray.get(self.directory.lookup.remote(index))
+            if found is not None:
+                ref = self.refs[index] = found[0]
+        if ref is not None:
+            return torch.from_numpy(self.ray.get(ref)), False
+        value = compute()
+        ref = self.refs[index] = self.ray.put(value.numpy())
+        self.directory.register.remote(index, [ref], value.nbytes)  # in a list: not resolved
+        return value, True
+
+    def node_bytes(self) -> int:
+        return int(self.ray.get(self.directory.stored.remote()))
+
+    def close(self) -> None:
+        self.ray.shutdown()
+
+
+class _RayDirectory:
+    """The named actor that maps an input to the reference of its value in Ray's store (the
+    first one registered) and counts the bytes stored."""
+
+    def __init__(self) -> None:
+        self.refs: dict[int, list[Any]] = {}
+        self.bytes = 0
+
+    def register(self, index: int, ref: list[Any], nbytes: int) -> None:
+        if index not in self.refs:
+            self.refs[index], self.bytes = ref, self.bytes + nbytes
+
+    def lookup(self, index: int) -> list[Any] | None:
+        return self.refs.get(index)
+
+    def stored(self) -> int:
+        return self.bytes
+
+
+class RayHead:
+    """A Ray head node on 127.0.0.1 (GCS, raylet with its plasma store, their agents; no
+    dashboard, no usage stats), with the `poll`/`send_signal`/`wait` of the server processes
+    tools/bench stops. `ray start` returns once its daemons run; they and every worker they start
+    stay in the session it was started in, which the stop kills whole."""
+
+    def __init__(self, binary: Path, object_store_bytes: int) -> None:
+        self.port, self.stopped = _free_port(), False
+        self.temp = tempfile.mkdtemp(prefix="ray-")  # its session's files, removed by the stop
+        log = Path(self.temp, "start.log")  # not a pipe: the daemons inherit its descriptor
+        with log.open("w") as output:
+            start = subprocess.Popen(
+                [
+                    binary, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={self.port}",
+                    f"--ray-client-server-port={_free_port()}",
+                    f"--dashboard-agent-listen-port={_free_port()}",
+                    "--include-dashboard=false", "--disable-usage-stats", "--num-cpus=1",
+                    f"--object-store-memory={object_store_bytes}", f"--temp-dir={self.temp}",
+                ],
+                env={**os.environ, **RAY_ENV}, start_new_session=True, stdout=output, stderr=output,
+            )  # fmt: skip
+        self.session = start.pid
+        if start.wait() != 0:
+            error = log.read_text()[-2000:]
+            self.send_signal(signal.SIGKILL)
+            raise RuntimeError(f"ray start failed: {error}")
+        self.address = f"127.0.0.1:{self.port}"
+
+    def poll(self) -> int | None:
+        return 0 if self.stopped else None
+
+    def send_signal(self, signum: int) -> None:
+        """Send `signum` to every process of the head's session, then remove its files."""
+        for pid in _session(self.session):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+        shutil.rmtree(self.temp, ignore_errors=True)
+        self.stopped = True
+
+    def wait(self, timeout: float = 30.0) -> int:
+        """Wait until no process of the session is alive (zombies left to their parent)."""
+        deadline = time.monotonic() + timeout
+        while _session(self.session):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"Ray's processes {_session(self.session)} outlived the stop")
+            time.sleep(0.05)
+        return 0
+
+
+def _session(sid: int) -> list[int]:
+    """The live processes of session `sid` (field 6 of /proc/PID/stat; zombies left out)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == sid and fields[0] != "Z":
+                found.append(int(entry.name))
+    return found
+
+
 class Shmcache(Client):
     def __init__(self, config: Any) -> None:
         from shmcache import EmbeddingCache
@@ -189,6 +328,8 @@ def client_for(system: str, setup: dict[str, Any]) -> Client:
         return Redis(setup["redis_port"])
     if system == "mooncake":
         return MooncakeAlone(setup["master"])
+    if system == "ray":
+        return RayPlasma(setup["ray_address"])
     if system in ("shmcache", "shmcache+remote"):
         return Shmcache(setup["config"])
     return Memcpy()
@@ -211,6 +352,13 @@ def start_servers(system: str, setup: dict[str, Any], servers: list[Any]) -> boo
         )
         setup["redis_port"] = port
         _wait_for_port(port)
+    if system == "ray":
+        ray_binary = Path(sys.executable).parent / "ray"  # the console script beside this Python
+        if importlib.util.find_spec("ray") is None or not ray_binary.exists():
+            return False
+        head = RayHead(ray_binary, max(setup["lru_bytes"], 128 << 20))
+        servers.append(head)
+        setup["ray_address"] = head.address
     if system in ("mooncake", "shmcache+remote"):
         from shmcache.testing import MooncakeMaster
 
