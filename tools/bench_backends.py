@@ -150,10 +150,11 @@ RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": 
 
 class RayPlasma(Client):
     """Ray's object store (plasma, in the raylet), the trusted node-local shared-memory store: a
-    value is `ray.put` by the process that computed it and found by the others through a named
-    directory actor (Ray has no content-addressed lookup of its own); a process remembers the
-    references it learned, so a hit is one `ray.get`: a read-only numpy array over the store's
-    shared memory (zero-copy), as a tensor."""
+    value computed by a process is handed to a named directory actor, which puts it in the store
+    and so owns it (it outlives that process), and the others find it there (Ray has no
+    content-addressed lookup of its own); a process remembers the references it learned, so a
+    hit is one `ray.get`: a read-only numpy array over the store's shared memory (zero-copy), as
+    a tensor."""
 
     def __init__(self, address: str) -> None:
         import logging
@@ -180,8 +181,7 @@ class RayPlasma(Client):
         if ref is not None:
             return torch.from_numpy(self.ray.get(ref)), False
         value = compute()
-        ref = self.refs[index] = self.ray.put(value.numpy())
-        self.directory.register.remote(index, [ref], value.nbytes)  # in a list: not resolved
+        self.ray.get(self.directory.store.remote(index, value.numpy()))  # put there: it owns it
         return value, True
 
     def node_bytes(self) -> int:
@@ -192,16 +192,20 @@ class RayPlasma(Client):
 
 
 class _RayDirectory:
-    """The named actor that maps an input to the reference of its value in Ray's store (the
-    first one registered) and counts the bytes stored."""
+    """The named actor that puts each input's value in Ray's store (the first one handed to it),
+    owns it, answers its reference, and counts the bytes stored."""
 
     def __init__(self) -> None:
         self.refs: dict[int, list[Any]] = {}
         self.bytes = 0
 
-    def register(self, index: int, ref: list[Any], nbytes: int) -> None:
+    def store(self, index: int, value: np.ndarray) -> None:
+        """Put `value` in Ray's store, owned by this actor: it outlives the process that computed
+        it (an object dies with its owner)."""
+        import ray
+
         if index not in self.refs:
-            self.refs[index], self.bytes = ref, self.bytes + nbytes
+            self.refs[index], self.bytes = [ray.put(value)], self.bytes + value.nbytes  # a list: not resolved
 
     def lookup(self, index: int) -> list[Any] | None:
         return self.refs.get(index)
