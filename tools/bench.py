@@ -1,16 +1,19 @@
 """One workload, every alternative: no cache, per-process LRU (the RFC), Redis, Mooncake Store alone,
-shmcache (node layer), shmcache with its remote layer, and a plain memcpy as the copying floor.
+Ray's object store (plasma), shmcache (node layer), shmcache with its remote layer, and a plain
+memcpy as the copying floor.
 
     python -m tools.bench                         # P = 1, 4, 8 processes; writes bench-out/
     python -m tools.bench --quick                 # seconds: what the smoke test runs
+    python -m tools.bench --systems ray,shmcache  # some of the columns only
 
 P processes issue requests over a Zipf-distributed set of inputs whose values range from 1 KiB to
 64 MiB (the largest sizes only outside --quick); a miss runs a real torch forward (a linear layer
 producing the value). After a warm-up pass, each process measures its own requests. Output per
 system: hit p50/p99, miss p50, encoder forwards, node memory, requests/s, and ratios against
 shmcache: a markdown table, a JSON file and a PNG plot in --out.
-Redis (`redis-server`, Debian) and Mooncake (`shmcache[mooncake]`) are started and stopped here on
-127.0.0.1; a system whose server is not installed is reported as skipped. Each system's client and
+Redis (`redis-server`, Debian), Mooncake (`shmcache[mooncake]`) and a Ray head (`shmcache[bench]`)
+are started and stopped here on 127.0.0.1; a system whose server is not installed is reported as
+skipped. Each system's client and
 servers are in tools/bench_backends.py.
 """
 
