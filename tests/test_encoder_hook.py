@@ -36,8 +36,10 @@ def batch_invariant() -> None:
     on the other items of the batch (with several threads the CPU matmul kernels may split rows
     differently, and oneDNN's convolutions differ between batch sizes). Measured here: even so,
     a Qwen2-VL item of 8 patch rows comes out ~1 ulp apart alone and in a batch, so the packed
-    items of these tests have 16 rows or more. Batch invariance is the encoder's property: the
-    hook returns exactly what the encoder computed for each item, in whichever call it ran."""
+    items of these tests have 16 rows or more; on an Intel Xeon build machine (2026-12-06) even
+    those came out 1 ulp apart (two tests, once each), so an item computed in another batch is
+    compared within 1e-5. Batch invariance is the encoder's property: the hook returns exactly
+    what the encoder computed for each item, in whichever call it ran."""
     torch.set_num_threads(1)
     torch.backends.mkldnn.enabled = False
 
@@ -92,7 +94,7 @@ def encode_after(config: CacheConfig, name: str, seeds: list[int], start: Any, r
         start.wait(60)
         got = hook(*args, **kwargs)
         encoded = sum(encoder.encoded)
-        results.put((encoded, got.numpy().tobytes(), encoder(*args, **kwargs).numpy().tobytes()))
+        results.put((encoded, got.numpy(), encoder(*args, **kwargs).numpy()))
 
 
 @pytest.mark.parametrize("name", ["clip", "qwen2-vl"])
@@ -104,7 +106,8 @@ def test_two_processes_with_the_same_items_encode_each_once(config: CacheConfig,
     for proc in procs:
         proc.join(30)
     assert sum(encoded for encoded, _, _ in got) == 3  # three distinct items, one forward each
-    assert all(output == unwrapped for _, output, unwrapped in got)
+    for _, output, unwrapped in got:  # an item computed in the other process's batch: see below
+        np.testing.assert_allclose(output, unwrapped, rtol=1e-5, atol=1e-6)
 
 
 def test_references_follow_the_request_in_scope(config: CacheConfig) -> None:
@@ -209,7 +212,9 @@ def test_a_packed_table_given_as_a_list_or_positionally_is_the_same_call(config:
         assert torch.equal(hook(pixels, grid), want) and encoder.encoded == [2]  # positional: hits
         (more,), more_kwargs = batch("qwen2-vl", [1, 3])  # item 1 cached, item 3 new
         got = hook(more, tuple(more_kwargs["grid_thw"].tolist()))
-        assert torch.equal(got, encoder(more, grid_thw=more_kwargs["grid_thw"]))
+        # item 1 was computed in the batch [1, 2], here it is in [1, 3]: a batch's rows change the
+        # matmul's blocking, so the last bits may differ (seen once in CI), the items may not
+        torch.testing.assert_close(got, encoder(more, grid_thw=more_kwargs["grid_thw"]), rtol=1e-5, atol=1e-6)
         assert given[-1] == (more_kwargs["grid_thw"].tolist()[1],)  # a tuple of the new item's row
         with pytest.raises(ArgumentTypeError, match="integer rows"):
             hook(pixels, grid_thw=[["a", 4, 4], [1, 4, 8]])
