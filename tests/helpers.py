@@ -162,10 +162,13 @@ def inspect_show(namespace: str) -> dict[str, Any]:
 class InterruptAtLine:
     """Raises KeyboardInterrupt where a SIGINT landing between two lines would: at the `at`-th line
     run, counted over the frames of the functions in `after` (each from the line after its local
-    of that name was bound; None: from its first line). Use as `with interrupter.tracing(): ...`;
-    `fired` tells whether it raised (False: the code ran fewer lines than `at`)."""
+    of that name was bound; a callable: from the line where it answers True given the frame's
+    locals; None: from its first line). Use as `with interrupter.tracing(): ...`; `fired` tells
+    whether it raised (False: the code ran fewer lines than `at`)."""
 
-    def __init__(self, at: int, after: Mapping[CodeType, str | None]) -> None:
+    def __init__(
+        self, at: int, after: Mapping[CodeType, str | Callable[[dict[str, Any]], bool] | None]
+    ) -> None:
         self.at, self.after, self.seen, self.fired = at, after, 0, False
         self.line = 0  # the line it raised at
 
@@ -182,9 +185,16 @@ class InterruptAtLine:
 
     def _line(self, frame: FrameType, event: str, arg: object) -> Any:
         bound = self.after[frame.f_code]
-        if event == "line" and not self.fired and (bound is None or bound in frame.f_locals):
+        if event == "line" and not self.fired and _counts_from(bound, frame.f_locals):
             if self.seen == self.at:
                 self.fired, self.line = True, frame.f_lineno
                 raise KeyboardInterrupt
             self.seen += 1
         return self._line
+
+
+def _counts_from(bound: str | Callable[[dict[str, Any]], bool] | None, local: dict[str, Any]) -> bool:
+    """Whether `InterruptAtLine` counts a line of a frame with these locals (see `after`)."""
+    if bound is None:
+        return True
+    return bound(local) if callable(bound) else bound in local

@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -61,14 +62,35 @@ def _listening(pids: list[int]) -> list[str]:
     return found
 
 
+_RAY_CLIENT = """
+import sys, torch
+from tools.bench_backends import RayPlasma
+client = RayPlasma(sys.argv[1])
+client.get(1, lambda: torch.ones(1 << 18))  # a miss: stored by the directory actor
+value, computed = client.get(1, lambda: None)  # a hit
+assert not computed and value.numel() == 1 << 18
+print("ready", flush=True)
+sys.stdin.read()
+client.close()
+"""
+
+
 def test_the_ray_head_listens_on_loopback_only_and_its_stop_leaves_nothing() -> None:
-    """Ray's servers (GCS, raylet, agents, client server) bind 127.0.0.1 only, and the stop ends
-    every process of the head's session and removes its files."""
+    """Ray's servers (GCS, raylet, agents, client server, the directory actor) and a bench
+    client's own servers bind 127.0.0.1 only, and the stop ends every process of the head's
+    session and removes its files."""
     pytest.importorskip("ray")
     binary = Path(sys.executable).parent / "ray"
     head = bench_backends.RayHead(binary, 128 << 20)
     try:
-        addresses = _listening(bench_backends._session(head.session))
+        with subprocess.Popen(
+            [sys.executable, "-c", _RAY_CLIENT, head.address], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        ) as client:
+            assert client.stdout is not None and client.stdin is not None
+            assert client.stdout.readline() == b"ready\n"
+            addresses = _listening([*bench_backends._session(head.session), client.pid])
+            client.stdin.close()
+            assert client.wait(timeout=60) == 0
         assert addresses, "no Ray server listens"
         loopback = {"0100007F", "0000000000000000FFFF00000100007F"}  # 127.0.0.1, ::ffff:127.0.0.1
         assert set(addresses) <= loopback, addresses

@@ -20,6 +20,7 @@ import pytest
 
 from shmcache import CacheConfig, EmbeddingCache
 from shmcache.node.slots import SlotState
+from shmcache.remote.answers import Transfer
 from shmcache.remote.bridge import RemoteBridge
 from shmcache.remote.setaside import SetAside
 from shmcache.remote.store import RemoteStore, remote_key
@@ -236,6 +237,12 @@ def _held(slots: np.ndarray) -> set[tuple[int, int]]:
     return {(int(slot), int(slots["gen"][slot])) for slot in mask.nonzero()[0]}
 
 
+def _hung(local: dict[str, Any]) -> bool:
+    """In `_write_in_place`: its transfer's answer is read, and it hung (TAINTED)."""
+    fetched = local.get("fetched")
+    return fetched is not None and fetched.outcome is Transfer.TAINTED
+
+
 def test_an_interrupt_anywhere_after_a_failed_transfer_never_frees_its_memory(
     shmcache_mooncake: MooncakeMaster, shmcache_namespace: str, other_namespace: str
 ) -> None:
@@ -259,7 +266,8 @@ def test_an_interrupt_anywhere_after_a_failed_transfer_never_frees_its_memory(
                 del pulled
             master = shmcache_mooncake.process.pid
             answered = {
-                RemoteBridge._write_in_place.__code__: "fetched",
+                # from the reading of a transfer that hung (a quiet answer, at once, is no case)
+                RemoteBridge._write_in_place.__code__: _hung,
                 SetAside.set_aside.__code__: None,
             }
             at, quiet = 0, 0

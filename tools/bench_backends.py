@@ -222,6 +222,7 @@ class RayHead:
 
     def __init__(self, binary: Path, object_store_bytes: int) -> None:
         self.port, self.stopped = _free_port(), False
+        self.signum: int = signal.SIGKILL  # what the stop sends
         self.temp = tempfile.mkdtemp(prefix="ray-")  # its session's files, removed by the stop
         log = Path(self.temp, "start.log")  # not a pipe: the daemons inherit its descriptor
         with log.open("w") as output:
@@ -239,6 +240,7 @@ class RayHead:
         if start.wait() != 0:
             error = log.read_text()[-2000:]
             self.send_signal(signal.SIGKILL)
+            self.wait()
             raise RuntimeError(f"ray start failed: {error}")
         self.address = f"127.0.0.1:{self.port}"
 
@@ -246,20 +248,23 @@ class RayHead:
         return 0 if self.stopped else None
 
     def send_signal(self, signum: int) -> None:
-        """Send `signum` to every process of the head's session, then remove its files."""
+        """Send `signum` to every process of the head's session (`wait` sends it again to any
+        started meanwhile)."""
+        self.signum, self.stopped = signum, True
         for pid in _session(self.session):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signum)
-        shutil.rmtree(self.temp, ignore_errors=True)
-        self.stopped = True
 
     def wait(self, timeout: float = 30.0) -> int:
-        """Wait until no process of the session is alive (zombies left to their parent)."""
+        """Once the session has no live process left (zombies are their parents' to reap), remove
+        its files; until then signal what is left again."""
         deadline = time.monotonic() + timeout
-        while _session(self.session):
+        while left := _session(self.session):
             if time.monotonic() > deadline:
-                raise RuntimeError(f"Ray's processes {_session(self.session)} outlived the stop")
+                raise RuntimeError(f"Ray's processes {left} outlived the stop")
             time.sleep(0.05)
+            self.send_signal(self.signum)
+        shutil.rmtree(self.temp, ignore_errors=True)
         return 0
 
 

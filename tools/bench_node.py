@@ -207,6 +207,7 @@ def _seal_watcher(config: CacheConfig, ready: Any, go: Any, seen: Any) -> None:
         while not cache.contains(key("wake")):
             pass
         seen.value = time.perf_counter()
+        ready.release()  # the committer reads `seen` after this
         go.wait()  # cleared by now: set again once the waiters returned
 
 
@@ -223,7 +224,7 @@ def wake_up(rounds: int, waiters: int = 3) -> dict[str, float]:
             cache.put(key("warm-up-committer"), torch.ones(256))  # the committer has stored before
             res = cache.reserve(key("wake"))
             procs = [ctx.Process(target=_waiter, args=(config, ready, results)) for _ in range(waiters)]
-            procs.append(ctx.Process(target=_seal_watcher, args=(config, ready, go, seen)))
+            procs.append(ctx.Process(target=_seal_watcher, args=(config, ready, go, seen), daemon=True))
             for proc in procs:
                 proc.start()
             for _ in procs:
@@ -235,8 +236,12 @@ def wake_up(rounds: int, waiters: int = 3) -> dict[str, float]:
             go.clear()
             began = time.perf_counter()
             res.commit(torch.ones(256))
-            returns = [results.get(timeout=30) for _ in range(waiters)]
-            go.set()  # the watcher may detach now
+            try:
+                returns = [results.get(timeout=30) for _ in range(waiters)]
+                if not ready.acquire(timeout=30):  # the watcher wrote `seen`
+                    raise TimeoutError("the watcher never saw the seal")
+            finally:
+                go.set()  # the watcher may detach now
             after_seal.extend(at - seen.value for at in returns)
             after_call.extend(at - began for at in returns)
             for proc in procs:

@@ -323,8 +323,8 @@ class Views:
         if found is None or holder is None:
             return None
         node, slot, gen = self._node, found.sealed.slot, found.sealed.gen
-        template = None
-        if (aliased := found.template) is not None and (ops := found.aliasing) is not None:
+        template, ops = None, found.aliasing
+        if (aliased := found.template) is not None and ops is not None:
             template = aliased()
             if template is not None and ops.signature(template) != found.signature:
                 template = None  # its holder changed it in place: not aliased
