@@ -44,6 +44,15 @@ def test_bench_runs_every_system_and_writes_its_outputs(tmp_path: Path) -> None:
     assert (tmp_path / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_an_unknown_system_is_refused_before_anything_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        bench.main(["--quick", "--systems", "shmcache,plasma", "--out", str(tmp_path / "out")])
+    assert exited.value.code == 2 and "unknown systems: plasma" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def _listening(pids: list[int]) -> list[str]:
     """The local addresses (hex, as /proc/net/tcp* writes them) of the TCP sockets `pids` listen on."""
     inodes = set()
@@ -84,7 +93,10 @@ def test_the_ray_head_listens_on_loopback_only_and_its_stop_leaves_nothing() -> 
     head = bench_backends.RayHead(binary, 128 << 20)
     try:
         with subprocess.Popen(
-            [sys.executable, "-c", _RAY_CLIENT, head.address], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+            [sys.executable, "-c", _RAY_CLIENT, head.address],
+            cwd=Path(__file__).parents[1],  # `tools` importable
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
         ) as client:
             assert client.stdout is not None and client.stdin is not None
             assert client.stdout.readline() == b"ready\n"

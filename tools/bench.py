@@ -13,8 +13,7 @@ system: hit p50/p99, miss p50, encoder forwards, node memory, requests/s, and ra
 shmcache: a markdown table, a JSON file and a PNG plot in --out.
 Redis (`redis-server`, Debian), Mooncake (`shmcache[mooncake]`) and a Ray head (`shmcache[bench]`)
 are started and stopped here on 127.0.0.1; a system whose server is not installed is reported as
-skipped. Each system's client and
-servers are in tools/bench_backends.py.
+skipped. Each system's client and servers are in tools/bench_backends.py.
 """
 
 from __future__ import annotations

@@ -154,7 +154,8 @@ class RayPlasma(Client):
     and so owns it (it outlives that process), and the others find it there (Ray has no
     content-addressed lookup of its own); a process remembers the references it learned, so a
     hit is one `ray.get`: a read-only numpy array over the store's shared memory (zero-copy), as
-    a tensor."""
+    a tensor. (A value under Ray's inline limit, 100 KiB, is kept by its owner, the actor, not in
+    the shared store: that `ray.get` copies it from the actor.)"""
 
     def __init__(self, address: str) -> None:
         import logging
