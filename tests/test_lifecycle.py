@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from shmcache import CacheClosed, CacheConfig, EmbeddingCache
+from shmcache.format import decode
 from shmcache.kernel.namespace import list_namespaces, object_names
 from tests.helpers import kernel_objects, wait_for
 from tests.workers import key_of
@@ -107,3 +108,28 @@ def test_a_forked_child_never_ends_its_parents_reservation(config: CacheConfig) 
         value = res.commit(torch.ones(2))
         assert torch.equal(value, torch.ones(2))
         del value
+
+
+def test_a_delivery_failing_after_close_finishes_the_detach(
+    config: CacheConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A `get` whose view was made when another thread closed the cache, and whose delivery then
+    failed, gives the view back: it was the last live view, so the detach happens there and then
+    (before, nothing was left to release and the namespace stayed until the interpreter exited)."""
+    before = kernel_objects()
+    reader = EmbeddingCache(config)
+    with EmbeddingCache(config) as writer:
+        writer.put(key_of("x"), torch.ones(4))
+    during = kernel_objects()
+
+    def close_then_fail(*args: object, **kwargs: object) -> object:
+        reader.close()  # as another thread would, while this delivery holds the only live view
+        assert kernel_objects() == during  # that view defers the detach
+        raise MemoryError("building the value failed")
+
+    monkeypatch.setattr(decode, "materialize", close_then_fail)
+    with pytest.raises(MemoryError):
+        reader.get(key_of("x"))
+    assert kernel_objects() == before  # detached by the failed delivery itself: the last one out
+    with pytest.raises(CacheClosed):
+        reader.get(key_of("x"))

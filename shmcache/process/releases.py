@@ -89,6 +89,14 @@ class Releases:
         with self._lock:
             self.closing = True
 
+    def disarmed(self) -> None:
+        """A watched view was disarmed (its delivery failed; its caller gave its pin back): after
+        `close`, if that left no live view, call `on_idle`, as that view's release would have."""
+        with self._lock:
+            idle = self.closing and self._watched() == self._released
+        if idle:
+            self._on_idle()
+
     def _run(self) -> None:
         while True:
             rings = [self._bell.get()]
