@@ -247,14 +247,15 @@ DeviceBuilder = Callable[[ArraySpec], Any]
 def materialize(
     array: np.ndarray[Any, Any],
     parsed: ParsedValue,
-    *,
     copy: bool = False,
     base: int = 0,
+    *,
     device: DeviceBuilder | None = None,
 ) -> Value:
     """Build the value that `parsed` describes over `array`, whose byte `base` is the value's
     first byte (already parsed: no checks repeated). Views keep `array` alive. With `device`,
-    arrays born on a GPU are built by it instead (see `shmcache.gpu`)."""
+    arrays born on a GPU are built by it instead (see `shmcache.gpu`). (`copy` and `base` may be
+    passed by position: the hit path does, a keyword costs a delivery ~0.1 µs.)"""
     single = parsed.single
     if single is not None and (device is None or single.lib not in DEVICE_LIBS):
         return _materialize(array, single, copy, base)  # the common case, in one step
@@ -275,8 +276,7 @@ def _materialize(array: np.ndarray[Any, Any], spec: ArraySpec, copy: bool, base:
         assert spec.np_dtype is not None
         result = _arrays.array(array, offset, spec.np_dtype, spec.shape, False)
         return result.copy() if copy else result
-    import torch
-
+    torch = sys.modules["torch"]  # imported: `spec.torch_dtype` is one of its dtypes
     if spec.nbytes == 0:
         return torch.empty(spec.shape, dtype=spec.torch_dtype)
     if spec.np_dtype is not None:

@@ -304,7 +304,7 @@ class Views:
             if on_device is not None:
                 value, aliased = on_device
                 return value, parsed, aliased
-        value = decode.materialize(holder, parsed, copy=self._clone, base=entry.ENTRY_HEADER_SIZE)
+        value = decode.materialize(holder, parsed, self._clone, entry.ENTRY_HEADER_SIZE)
         return value, parsed, False
 
     def _check_unmodified(self, needle: bytes, key: EmbeddingCacheKey, holder: np.ndarray) -> None:
@@ -345,7 +345,7 @@ class Views:
             return None
         if template is not None and ops is not None:
             return ops.alias(template)
-        return decode.materialize(holder, found.parsed, base=entry.ENTRY_HEADER_SIZE)
+        return decode.materialize(holder, found.parsed, False, entry.ENTRY_HEADER_SIZE)
 
     def _ref_repeat(self, slot: int, gen: int, request_id: RequestId, count: bool) -> bool:
         """Reference a repeat hit's entry for `request_id` (and count the hit); False if it left."""
