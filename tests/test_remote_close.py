@@ -1,9 +1,11 @@
 """Closing a cache while another thread's pull is still transferring: the Mooncake client is not
-closed under the running call (that crashed the process with SIGSEGV when the transfer went on)."""
+closed under the running call (that crashed the process with SIGSEGV when the transfer went on).
+Closing one during an outage: the client left unclosed never stalls the process later."""
 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import signal
 import threading
@@ -12,7 +14,8 @@ from pathlib import Path
 
 from shmcache import CacheConfig, EmbeddingCache, ShmCacheError
 from shmcache.testing import MooncakeMaster
-from tests.helpers import running, wait_for
+from tests.helpers import kill, running, spawn, wait_for
+from tests.test_remote import remote_config
 from tests.test_remote_in_place import SIZE, stopped_publisher
 from tests.workers import expected_value, fingerprint, key_of
 
@@ -56,3 +59,49 @@ def test_closing_while_a_pull_transfers_waits_for_it_instead_of_crashing(
             worker.join(120)
             assert worker.exitcode == 0, f"node B ended with {worker.exitcode} (-11: SIGSEGV)"
     assert out.read_text() in ("value", "CacheClosed"), out.read_text()
+
+
+def close_in_an_outage_then_collect(config: CacheConfig, killed: str, out: str) -> None:
+    """Publish, wait for the file `killed` (the master is dead then), close the cache, drop it and
+    collect the garbage; write how long the drop and the collection took."""
+    cache = EmbeddingCache(config)
+    cache.put(key_of("x"), expected_value("x"))
+    deadline = time.monotonic() + 60  # (no lambda: it would hold `cache` past its `del`)
+    while cache.stats()["remote_publishes"] < 1:
+        assert time.monotonic() < deadline, "no publish"
+        time.sleep(0.01)
+    Path(f"{killed}.ready").touch()
+    wait_for(Path(killed).exists, what="the master's death")
+    cache.close()  # its client is left to process exit: the master does not answer
+    started = time.monotonic()
+    del cache
+    gc.collect()
+    Path(out).write_text(str(time.monotonic() - started))
+    os._exit(0)  # the exit itself spends ~7 s in Mooncake's exit handler (docs/design.md)
+
+
+def test_a_client_left_unclosed_in_an_outage_never_stalls_a_later_garbage_collection(
+    shmcache_mooncake: MooncakeMaster, shmcache_namespace: str, tmp_path: Path
+) -> None:
+    """A cache closed while the master is dead leaves its Mooncake client unclosed, until the
+    process exits. Before, the client was merely dropped: the garbage collection that freed it
+    ran its destructor, which unmounts over RPC from the dead master, and stood still 6.6 s (up
+    to 27 s inside the test suite, in a later test's `close`)."""
+    killed, out = tmp_path / "killed", tmp_path / "out"
+    closer = spawn(
+        close_in_an_outage_then_collect,
+        remote_config(shmcache_namespace, shmcache_mooncake.address),
+        str(killed),
+        str(out),
+    )
+    try:
+        wait_for(Path(f"{killed}.ready").exists, timeout=60, what="the publish")
+        shmcache_mooncake.kill()
+        killed.touch()
+        wait_for(out.exists, timeout=60, what="the collection")
+        closer.join(30)
+    finally:
+        if closer.is_alive():
+            kill(closer)
+    assert closer.exitcode == 0
+    assert float(out.read_text()) < 3.0, out.read_text()

@@ -67,6 +67,9 @@ Stuck = Callable[[Future[Any]], None] | None  # told of a call that outlived its
 PROBE_KEY = "shmcache@probe"  # the recovery probe's 1-byte value (first writer wins: never rewritten)
 
 
+_LEFT_TO_EXIT: list[Any] = []  # clients `close` left unclosed: destroyed only as the process exits
+
+
 def remote_key(prefix: str, key: EmbeddingCacheKey) -> str:
     """`<prefix>@v<schema>@<algorithm>@<digest hex>`: the same on every node."""
     return f"{prefix}@v{KEY_SCHEMA_VERSION}@{key.algorithm}@{key.hex}"
@@ -364,11 +367,18 @@ class RemoteStore:
         if running:  # closing the client under a running transfer crashes the process (SIGSEGV)
             futures_wait(running, timeout=drain_s)
         if any(not future.done() for future in running):
-            log.debug("shmcache: a Mooncake call is still running; its client is left to process exit")
-            return False
+            return self._leave_to_exit("a Mooncake call is still running")
         if self._client is not None and not self.health.up:
-            log.debug("shmcache: the Mooncake master does not answer; the client is left to process exit")
-            return False
+            return self._leave_to_exit("the Mooncake master does not answer")
         if self._client is not None:
             self._client.close()
         return True
+
+    def _leave_to_exit(self, why: str) -> bool:
+        """Keep the client unclosed until the process exits (False), its segment's memory with
+        it. Held here, not just dropped: its destructor unmounts over RPC (6.6 s and more against
+        a dead master, the GIL held), which would stall the process wherever a garbage
+        collection freed it."""
+        log.debug("shmcache: %s; the client is left to process exit", why)
+        _LEFT_TO_EXIT.append(self._client)
+        return False
