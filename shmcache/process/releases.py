@@ -90,8 +90,9 @@ class Releases:
             self.closing = True
 
     def disarmed(self) -> None:
-        """A watched view was disarmed (its delivery failed; its caller gave its pin back): after
-        `close`, if that left no live view, call `on_idle`, as that view's release would have."""
+        """A delivery failed and gave its pins back, its view disarmed: after `close`, if that left
+        no live view, call `on_idle`, as that view's release would have (`on_idle` may be called
+        more than once: a detach is idempotent)."""
         with self._lock:
             idle = self.closing and self._watched() == self._released
         if idle:

@@ -213,12 +213,10 @@ class Views:
     def _give_back(self, sealed: SealedEntry, holder: np.ndarray | None, pins: int) -> None:
         """Release the `pins` of an entry not delivered after all, its view's pin included (the
         view's death then releases nothing); a closed cache that this left idle detaches."""
-        armed = holder is not None and self._arena.disarm(holder)
-        try:
-            self._node.release([(sealed.slot, sealed.gen)] * pins)
-        finally:
-            if armed:  # after `close` the last live view may have been this one
-                self._releases.disarmed()
+        if holder is not None:
+            self._arena.disarm(holder)
+        self._node.release([(sealed.slot, sealed.gen)] * pins)
+        self._releases.disarmed()  # after `close`, the last live view may have been this one
 
     def _deliver(
         self,

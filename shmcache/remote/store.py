@@ -70,6 +70,15 @@ PROBE_KEY = "shmcache@probe"  # the recovery probe's 1-byte value (first writer 
 _LEFT_TO_EXIT: list[Any] = []  # clients `close` left unclosed: destroyed only as the process exits
 
 
+def _leave_to_exit(client: Any, why: str) -> bool:
+    """Keep `client` unclosed until the process exits (False), its segment's memory with it.
+    Held, not just dropped: its destructor unmounts over RPC (6.6 s and more against a dead
+    master, the GIL held), which would stall the process wherever a garbage collection freed it."""
+    log.debug("shmcache: %s; the client is left to process exit", why)
+    _LEFT_TO_EXIT.append(client)
+    return False
+
+
 def remote_key(prefix: str, key: EmbeddingCacheKey) -> str:
     """`<prefix>@v<schema>@<algorithm>@<digest hex>`: the same on every node."""
     return f"{prefix}@v{KEY_SCHEMA_VERSION}@{key.algorithm}@{key.hex}"
@@ -367,18 +376,9 @@ class RemoteStore:
         if running:  # closing the client under a running transfer crashes the process (SIGSEGV)
             futures_wait(running, timeout=drain_s)
         if any(not future.done() for future in running):
-            return self._leave_to_exit("a Mooncake call is still running")
+            return _leave_to_exit(self._client, "a Mooncake call is still running")
         if self._client is not None and not self.health.up:
-            return self._leave_to_exit("the Mooncake master does not answer")
+            return _leave_to_exit(self._client, "the Mooncake master does not answer")
         if self._client is not None:
             self._client.close()
         return True
-
-    def _leave_to_exit(self, why: str) -> bool:
-        """Keep the client unclosed until the process exits (False), its segment's memory with
-        it. Held here, not just dropped: its destructor unmounts over RPC (6.6 s and more against
-        a dead master, the GIL held), which would stall the process wherever a garbage
-        collection freed it."""
-        log.debug("shmcache: %s; the client is left to process exit", why)
-        _LEFT_TO_EXIT.append(self._client)
-        return False
