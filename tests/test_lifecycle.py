@@ -5,13 +5,14 @@ touched from a forked child."""
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import stat
 
 import pytest
 import torch
 
-from shmcache import CacheClosed, CacheConfig, EmbeddingCache
+from shmcache import CacheClosed, CacheConfig, EmbeddingCache, LockTimeout
 from shmcache.format import decode
 from shmcache.kernel.namespace import list_namespaces, object_names
 from tests.helpers import kernel_objects, wait_for
@@ -133,3 +134,31 @@ def test_a_delivery_failing_after_close_finishes_the_detach(
     assert kernel_objects() == before  # detached by the failed delivery itself: the last one out
     with pytest.raises(CacheClosed):
         reader.get(key_of("x"))
+
+
+def test_a_detach_failing_there_leaves_the_delivery_its_own_error(
+    config: CacheConfig, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The same, with the detach failing (a reservation's stripe held past the lock timeout): the
+    caller gets the delivery's own error, the detach's failure is logged, and the next flush
+    detaches."""
+    before = kernel_objects()
+    reader = EmbeddingCache(config)
+    with EmbeddingCache(config) as writer:
+        writer.put(key_of("x"), torch.ones(4))
+
+    def close_then_fail(*args: object, **kwargs: object) -> object:
+        reader.close()
+        raise MemoryError("building the value failed")
+
+    def stripe_held(wait_s: float) -> None:
+        raise LockTimeout("a stripe held past the lock timeout")
+
+    monkeypatch.setattr(decode, "materialize", close_then_fail)
+    monkeypatch.setattr(reader._claims, "withdraw_held", stripe_held)
+    with caplog.at_level(logging.WARNING, logger="shmcache"), pytest.raises(MemoryError):
+        reader.get(key_of("x"))
+    assert "detaching after the last view failed" in caplog.text
+    monkeypatch.undo()
+    reader.flush_releases()  # nothing fails now: the detach, the last one out
+    assert kernel_objects() == before

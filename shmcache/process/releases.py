@@ -90,13 +90,17 @@ class Releases:
             self.closing = True
 
     def disarmed(self) -> None:
-        """A delivery failed and gave its pins back, its view disarmed: after `close`, if that left
-        no live view, call `on_idle`, as that view's release would have (`on_idle` may be called
-        more than once: a detach is idempotent)."""
+        """A delivery failed and gave its pins back (its view, if it made one, disarmed): after
+        `close`, if that left no live view, call `on_idle`, as that view's release would have
+        (`on_idle` may run more than once: a detach is idempotent). A failing `on_idle` is
+        logged: the delivery's own outcome is what its caller gets."""
         with self._lock:
             idle = self.closing and self._watched() == self._released
         if idle:
-            self._on_idle()
+            try:
+                self._on_idle()
+            except Exception as exc:  # a lock held past its timeout, ...: the exit detaches
+                log.warning("shmcache: detaching after the last view failed: %s", str(exc))
 
     def _run(self) -> None:
         while True:

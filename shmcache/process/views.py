@@ -241,8 +241,8 @@ class Views:
         except CorruptValue as exc:
             node.count(Counter.CORRUPT_RECORDS)
             log.warning("shmcache: dropping entry %r: %s", key, str(exc))
+            node.drop(slot, gen)  # before the give-back, which may detach a closed cache
             self._give_back(sealed, holder, self.pins_for(request_id))
-            node.drop(slot, gen)
             return None
         except BaseException:  # ViewMutated, MemoryError, ...: give the pins back, then report it
             self._give_back(sealed, holder, self.pins_for(request_id))

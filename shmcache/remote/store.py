@@ -71,7 +71,8 @@ _LEFT_TO_EXIT: list[Any] = []  # clients `close` left unclosed: destroyed only a
 
 
 def _leave_to_exit(client: Any, why: str) -> bool:
-    """Keep `client` unclosed until the process exits (False), its segment's memory with it.
+    """Keep `client` unclosed until the process exits (False), its segment's memory with it (on
+    a master restart Mooncake mounts it again: it serves what is placed there until the exit).
     Held, not just dropped: its destructor unmounts over RPC (6.6 s and more against a dead
     master, the GIL held), which would stall the process wherever a garbage collection freed it."""
     log.debug("shmcache: %s; the client is left to process exit", why)
