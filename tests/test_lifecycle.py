@@ -4,6 +4,7 @@ touched from a forked child."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import os
@@ -12,8 +13,9 @@ import stat
 import pytest
 import torch
 
-from shmcache import CacheClosed, CacheConfig, EmbeddingCache, LockTimeout
+from shmcache import CacheClosed, CacheConfig, EmbeddingCache
 from shmcache.format import decode
+from shmcache.kernel.lockfile import bootstrap_lock
 from shmcache.kernel.namespace import list_namespaces, object_names
 from tests.helpers import kernel_objects, wait_for
 from tests.workers import key_of
@@ -139,11 +141,11 @@ def test_a_delivery_failing_after_close_finishes_the_detach(
 def test_a_detach_failing_there_leaves_the_delivery_its_own_error(
     config: CacheConfig, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The same, with the detach failing (a reservation's stripe held past the lock timeout): the
-    caller gets the delivery's own error, the detach's failure is logged, and the next flush
-    detaches."""
+    """The same, with the detach failing (the namespace's bootstrap lock held past the lock
+    timeout): the caller gets the delivery's own error, the detach's failure is logged, and the
+    next flush, the lock free again, detaches."""
     before = kernel_objects()
-    reader = EmbeddingCache(config)
+    reader = EmbeddingCache(dataclasses.replace(config, lock_timeout_s=0.5))
     with EmbeddingCache(config) as writer:
         writer.put(key_of("x"), torch.ones(4))
 
@@ -151,14 +153,14 @@ def test_a_detach_failing_there_leaves_the_delivery_its_own_error(
         reader.close()
         raise MemoryError("building the value failed")
 
-    def stripe_held(wait_s: float) -> None:
-        raise LockTimeout("a stripe held past the lock timeout")
-
     monkeypatch.setattr(decode, "materialize", close_then_fail)
-    monkeypatch.setattr(reader._claims, "withdraw_held", stripe_held)
-    with caplog.at_level(logging.WARNING, logger="shmcache"), pytest.raises(MemoryError):
+    with (
+        bootstrap_lock(object_names(config.namespace), config.mode, 10.0),
+        caplog.at_level(logging.WARNING, logger="shmcache"),
+        pytest.raises(MemoryError),
+    ):
         reader.get(key_of("x"))
     assert "detaching after the last view failed" in caplog.text
-    monkeypatch.undo()
-    reader.flush_releases()  # nothing fails now: the detach, the last one out
+    assert kernel_objects() != before  # still attached
+    reader.flush_releases()  # the lock is free now: the detach, the last one out
     assert kernel_objects() == before
