@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import gc
+import mmap
 import multiprocessing as mp
 import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from types import CodeType, FrameType
 from typing import Any
@@ -25,6 +27,8 @@ __all__ = [
     "kernel_objects",
     "finished",
     "kill",
+    "map_fresh",
+    "mapped_ranges",
     "pages_present",
     "physical_page",
     "running",
@@ -33,6 +37,8 @@ __all__ = [
     "spawn",
     "wait_for",
 ]
+
+_MAP_FIXED_NOREPLACE = 0x100000  # Linux 4.17+: map there only if nothing is mapped there
 
 
 def settle() -> None:
@@ -116,6 +122,35 @@ def file_offset(address: int, path: str) -> int:
             if start <= address < end and len(fields) == 6 and fields[5].strip() == path:
                 return int(fields[2], 16) + address - start
     raise AssertionError(f"{address:#x} is not in a mapping of {path}")
+
+
+def mapped_ranges() -> set[tuple[int, int]]:
+    """The address ranges (start, end) this process maps now (from /proc/self/maps)."""
+    with open("/proc/self/maps") as maps:
+        return {(int(a, 16), int(b, 16)) for a, b in (line.split(maxsplit=1)[0].split("-") for line in maps)}
+
+
+def map_fresh(ranges: Iterable[tuple[int, int]]) -> list[Any]:
+    """Fresh zeroed private memory mapped at each of `ranges` that is unmapped now, as uint8
+    arrays (a range mapped again meanwhile is skipped: MAP_FIXED_NOREPLACE never replaces)."""
+    import numpy as np  # (only for tests that map memory)
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    ]
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED_NOREPLACE
+    fresh = []
+    for start, end in ranges:
+        if libc.mmap(start, end - start, mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0) == start:
+            fresh.append(np.ctypeslib.as_array((ctypes.c_uint8 * (end - start)).from_address(start)))
+    return fresh
 
 
 def physical_page(address: int) -> int:

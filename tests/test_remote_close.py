@@ -1,6 +1,7 @@
 """Closing a cache while another thread's pull is still transferring: the Mooncake client is not
 closed under the running call (that crashed the process with SIGSEGV when the transfer went on).
-Closing one during an outage: the client left unclosed never stalls the process later."""
+Closing one during an outage: the client left unclosed never stalls the process later. Closing
+one while a transfer into a pull buffer outlived its wait: that buffer is never freed under it."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
+
 from shmcache import CacheConfig, EmbeddingCache, ShmCacheError
 from shmcache.testing import MooncakeMaster
-from tests.helpers import kill, running, spawn, wait_for
+from tests.helpers import kill, map_fresh, mapped_ranges, running, spawn, wait_for
 from tests.test_remote import remote_config
 from tests.test_remote_in_place import SIZE, stopped_publisher
 from tests.workers import expected_value, fingerprint, key_of
@@ -105,3 +108,48 @@ def test_a_client_left_unclosed_in_an_outage_never_stalls_a_later_garbage_collec
             kill(closer)
     assert closer.exitcode == 0
     assert float(out.read_text()) < 3.0, out.read_text()
+
+
+SMALL = 16 << 10  # bf16 elements: 32 KiB, a value a batch pull brings through the pull buffer
+
+
+def close_while_a_batch_pull_transfers(config: CacheConfig, closed: str, resumed: str, out: str) -> None:
+    """Node B: a batch pull of "shared" whose transfer outlives its 1 s wait (node A is stopped),
+    then close the cache, free it, and map fresh zeroed memory wherever memory was unmapped
+    meanwhile; once node A went on, write how many bytes of that memory are no longer zero."""
+    cache = EmbeddingCache(config)
+    (reservation,) = cache.try_reserve_many([key_of("shared")])
+    assert reservation is not None and reservation.owned, "not a miss"
+    reservation.abandon()
+    before = mapped_ranges()
+    cache.close()
+    del cache, reservation
+    gc.collect()
+    fresh = map_fresh(before - mapped_ranges())
+    Path(closed).touch()
+    wait_for(Path(resumed).exists, what="node A to go on")
+    time.sleep(3.0)  # the transfer ends meanwhile
+    Path(out).write_text(str(sum(int(np.count_nonzero(memory)) for memory in fresh)))
+    os._exit(0)
+
+
+def test_a_pull_buffer_a_transfer_still_writes_into_outlives_the_close(
+    shmcache_mooncake: MooncakeMaster, shmcache_namespace: str, other_namespace: str, tmp_path: Path
+) -> None:
+    """A batch pull's transfer that outlived its wait writes into the pull buffer when the stopped
+    holder goes on. The buffer stays alive past the close, until the process exits: before, it was
+    freed with the cache, and the late transfer wrote 32 KiB into memory mapped afresh there."""
+    closed, resumed, out = tmp_path / "closed", tmp_path / "resumed", tmp_path / "out"
+    with (
+        stopped_publisher(shmcache_mooncake.address, shmcache_namespace, other_namespace, SMALL) as (
+            node_b,
+            node_a,
+        ),
+        running(close_while_a_batch_pull_transfers, node_b, str(closed), str(resumed), str(out)) as worker,
+    ):
+        wait_for(closed.exists, timeout=60, what="node B to close")
+        os.kill(node_a, signal.SIGCONT)
+        resumed.touch()
+        worker.join(60)
+        assert worker.exitcode == 0, f"node B ended with {worker.exitcode}"
+    assert out.read_text() == "0", f"{out.read_text()} bytes of fresh memory were written by a late transfer"

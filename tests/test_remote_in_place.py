@@ -33,10 +33,11 @@ from tests.workers import expected_value, fingerprint, key_of, pull_until_interr
 SIZE = 1 << 21  # bf16 elements: 4 MiB
 
 
-def publisher(config: CacheConfig, name: str, ready: Any, done: Any) -> None:
-    """Node A: compute and publish `name`, then stay (its segment holds the store's copy)."""
+def publisher(config: CacheConfig, name: str, numel: int, ready: Any, done: Any) -> None:
+    """Node A: compute and publish `name` (`numel` elements), then stay (its segment holds the
+    store's copy)."""
     with EmbeddingCache(config) as cache:
-        cache.put(key_of(name), expected_value(name, SIZE))
+        cache.put(key_of(name), expected_value(name, numel))
         while cache.stats()["remote_publishes"] < 1:
             time.sleep(0.01)
         ready.set()
@@ -45,10 +46,11 @@ def publisher(config: CacheConfig, name: str, ready: Any, done: Any) -> None:
 
 @contextlib.contextmanager
 def published(
-    master: str, node_a: str, node_b: str, name: str, remote_timeout_s: float
+    master: str, node_a: str, node_b: str, name: str, remote_timeout_s: float, numel: int = SIZE
 ) -> Iterator[tuple[CacheConfig, mp.process.BaseProcess]]:
-    """Node A publishes `name` (4 MiB) and stays. Yields (node B's config: room for 3 entries and
-    `remote_timeout_s`; node A's process); node A is resumed and stopped afterwards."""
+    """Node A publishes `name` (`numel` bf16 elements, 4 MiB by default) and stays. Yields (node
+    B's config: room for 3 entries and `remote_timeout_s`; node A's process); node A is resumed
+    and stopped afterwards."""
     config_a = remote_config(node_a, master)
     nbytes = 2 * SIZE + 4096  # an entry of SIZE bf16 elements, with its header
     config_b = dataclasses.replace(
@@ -56,7 +58,7 @@ def published(
     )
     ctx = mp.get_context("spawn")
     ready, done = ctx.Event(), ctx.Event()
-    proc = spawn(publisher, config_a, name, ready, done)
+    proc = spawn(publisher, config_a, name, numel, ready, done)
     try:
         assert ready.wait(60), "node A did not publish"
         yield config_b, proc
@@ -70,11 +72,13 @@ def published(
 
 
 @contextlib.contextmanager
-def stopped_publisher(master: str, node_a: str, node_b: str) -> Iterator[tuple[CacheConfig, int]]:
-    """Node A publishes "shared" (4 MiB) and is SIGSTOPped: its segment serves nothing, so a pull
-    of it hangs mid-transfer. Yields (node B's config, room for 3 entries and a 1 s remote
-    timeout; node A's pid, to SIGCONT it)."""
-    with published(master, node_a, node_b, "shared", remote_timeout_s=1.0) as (config_b, proc):
+def stopped_publisher(
+    master: str, node_a: str, node_b: str, numel: int = SIZE
+) -> Iterator[tuple[CacheConfig, int]]:
+    """Node A publishes "shared" (`numel` bf16 elements, 4 MiB by default) and is SIGSTOPped: its
+    segment serves nothing, so a pull of it hangs mid-transfer. Yields (node B's config, room for
+    3 entries and a 1 s remote timeout; node A's pid, to SIGCONT it)."""
+    with published(master, node_a, node_b, "shared", 1.0, numel) as (config_b, proc):
         assert proc.pid is not None
         os.kill(proc.pid, signal.SIGSTOP)
         yield config_b, proc.pid

@@ -67,16 +67,18 @@ Stuck = Callable[[Future[Any]], None] | None  # told of a call that outlived its
 PROBE_KEY = "shmcache@probe"  # the recovery probe's 1-byte value (first writer wins: never rewritten)
 
 
-_LEFT_TO_EXIT: list[Any] = []  # clients `close` left unclosed: destroyed only as the process exits
+_LEFT_TO_EXIT: list[tuple[Any, Staging | None]] = []  # what `close` left unclosed: until the exit
 
 
-def _leave_to_exit(client: Any, why: str) -> bool:
+def _leave_to_exit(client: Any, staging: Staging | None, why: str) -> bool:
     """Keep `client` unclosed until the process exits (False), its segment's memory with it (on
     a master restart Mooncake mounts it again: it serves what is placed there until the exit).
     Held, not just dropped: its destructor unmounts over RPC (6.6 s and more against a dead
-    master, the GIL held), which would stall the process wherever a garbage collection freed it."""
+    master, the GIL held), which would stall the process wherever a garbage collection freed it.
+    Its `staging` too: a transfer that outlived its wait may still write into a lent pull
+    buffer, which must not be freed (and its memory handed out again) under it."""
     log.debug("shmcache: %s; the client is left to process exit", why)
-    _LEFT_TO_EXIT.append(client)
+    _LEFT_TO_EXIT.append((client, staging))
     return False
 
 
@@ -377,9 +379,9 @@ class RemoteStore:
         if running:  # closing the client under a running transfer crashes the process (SIGSEGV)
             futures_wait(running, timeout=drain_s)
         if any(not future.done() for future in running):
-            return _leave_to_exit(self._client, "a Mooncake call is still running")
+            return _leave_to_exit(self._client, self.staging, "a Mooncake call is still running")
         if self._client is not None and not self.health.up:
-            return _leave_to_exit(self._client, "the Mooncake master does not answer")
+            return _leave_to_exit(self._client, self.staging, "the Mooncake master does not answer")
         if self._client is not None:
             self._client.close()
         return True
