@@ -153,3 +153,41 @@ def test_a_pull_buffer_a_transfer_still_writes_into_outlives_the_close(
         worker.join(60)
         assert worker.exitcode == 0, f"node B ended with {worker.exitcode}"
     assert out.read_text() == "0", f"{out.read_text()} bytes of fresh memory were written by a late transfer"
+
+
+def open_as_the_master_dies_after_the_set_up(config: CacheConfig, master_pid: int, out: str) -> None:
+    """Open a cache whose client's set-up succeeds and whose master dies right after it, before
+    the health check (a real Mooncake client, killing the real master from its `health_check`);
+    write how long the open took."""
+    import mooncake.store
+
+    class DiesAfterTheSetUp(mooncake.store.MooncakeDistributedStore):  # type: ignore[misc]
+        def health_check(self) -> int:
+            os.kill(master_pid, signal.SIGKILL)
+            time.sleep(0.2)  # its port closed
+            return int(super().health_check())
+
+    mooncake.store.MooncakeDistributedStore = DiesAfterTheSetUp
+    started = time.monotonic()
+    cache = EmbeddingCache(config)
+    Path(out).write_text(str(time.monotonic() - started))
+    cache.close()
+    os._exit(0)
+
+
+def test_a_set_up_whose_master_dies_before_its_health_check_does_not_wait_to_close_its_client(
+    shmcache_mooncake: MooncakeMaster, shmcache_namespace: str, tmp_path: Path
+) -> None:
+    """The set-up succeeded, the health check failed: the client is left to process exit
+    instead of closed (Mooncake's close unmounts from the dead master over RPC)."""
+    out = tmp_path / "out"
+    assert shmcache_mooncake.process.pid is not None
+    with running(
+        open_as_the_master_dies_after_the_set_up,
+        remote_config(shmcache_namespace, shmcache_mooncake.address),
+        shmcache_mooncake.process.pid,
+        str(out),
+    ) as worker:
+        worker.join(120)
+        assert worker.exitcode == 0
+    assert float(out.read_text()) < 3.0, out.read_text()

@@ -54,7 +54,7 @@ from shmcache.remote.answers import (
     nothing_in_flight,
     taints,
 )
-from shmcache.remote.connection import Connection
+from shmcache.remote.connection import Connection, leave_to_exit
 from shmcache.remote.health import Health
 from shmcache.remote.staging import Staging
 
@@ -65,21 +65,6 @@ log = logging.getLogger("shmcache")
 _TOO_LARGE = 1  # not a Mooncake code: a value larger than the thin client's publish buffer
 Stuck = Callable[[Future[Any]], None] | None  # told of a call that outlived its wait
 PROBE_KEY = "shmcache@probe"  # the recovery probe's 1-byte value (first writer wins: never rewritten)
-
-
-_LEFT_TO_EXIT: list[tuple[Any, Staging | None]] = []  # what `close` left unclosed: until the exit
-
-
-def _leave_to_exit(client: Any, staging: Staging | None, why: str) -> bool:
-    """Keep `client` unclosed until the process exits (False), its segment's memory with it (on
-    a master restart Mooncake mounts it again: it serves what is placed there until the exit).
-    Held, not just dropped: its destructor unmounts over RPC (6.6 s and more against a dead
-    master, the GIL held), which would stall the process wherever a garbage collection freed it.
-    Its `staging` too: a transfer that outlived its wait may still write into a lent pull
-    buffer, which must not be freed (and its memory handed out again) under it."""
-    log.debug("shmcache: %s; the client is left to process exit", why)
-    _LEFT_TO_EXIT.append((client, staging))
-    return False
 
 
 def remote_key(prefix: str, key: EmbeddingCacheKey) -> str:
@@ -379,9 +364,9 @@ class RemoteStore:
         if running:  # closing the client under a running transfer crashes the process (SIGSEGV)
             futures_wait(running, timeout=drain_s)
         if any(not future.done() for future in running):
-            return _leave_to_exit(self._client, self.staging, "a Mooncake call is still running")
+            return leave_to_exit(self._client, self.staging, "a Mooncake call is still running")
         if self._client is not None and not self.health.up:
-            return _leave_to_exit(self._client, self.staging, "the Mooncake master does not answer")
+            return leave_to_exit(self._client, self.staging, "the Mooncake master does not answer")
         if self._client is not None:
             self._client.close()
         return True
