@@ -315,3 +315,27 @@ def test_a_node_that_opened_with_the_master_down_still_pulls_in_place(
                 assert_pulled_in_place(b, "late", SIZE_4MIB)
     finally:
         master.kill()
+
+
+def test_an_open_that_fails_after_the_store_started_closes_it(
+    shmcache_namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The master is down at open, and the open fails after the store was made (its arena's
+    registration raises): the error reaches the caller, and the store's outage prober ends with
+    it. Before, the prober went on and would have connected a client that nobody closes."""
+    master = MooncakeMaster()
+    master.kill()
+
+    def fails(store: RemoteStore, address: int, nbytes: int) -> None:
+        raise MemoryError("registering the arena")
+
+    monkeypatch.setattr(RemoteStore, "register", fails)
+    try:
+        with pytest.raises(MemoryError, match="registering the arena"):
+            EmbeddingCache(remote_config(shmcache_namespace, master.address))
+        probers = [t for t in threading.enumerate() if t.name == "shmcache-remote-probe"]
+        for prober in probers:
+            prober.join(10)
+        assert not any(prober.is_alive() for prober in probers)
+    finally:
+        master.kill()

@@ -87,13 +87,17 @@ class RemoteBridge:
     ) -> None:
         """Connect to `config.remote_master` (`RemoteUnavailable` in strict mode if it is down)."""
         assert config.remote_master is not None
-        self.store = store = RemoteStore(config, node.count)
         self._node, self._arena, self._views, self._prefix = node, arena, views, config.remote_key_prefix
         self._writes = writes  # our writes into node memory, which the detach shuts
         address = np.frombuffer(arena, dtype=np.uint8)
         self._arena_address, self._arena_bytes = int(address.ctypes.data), address.nbytes
-        store.register(self._arena_address, self._arena_bytes)
         del address
+        self.store = store = RemoteStore(config, node.count)
+        try:
+            store.register(self._arena_address, self._arena_bytes)
+        except BaseException:  # no bridge to close it: its prober would connect a client nobody closes
+            store.close()
+            raise
         self._lock = threading.Lock()  # one staged pull at a time: they share the store's pull buffer
         self._single_flight, self._lease_s = config.remote_single_flight, config.compute_timeout_s
         self._node_tag = lease.node_tag(node.segments.names.index)  # in our lease tokens
