@@ -40,21 +40,24 @@ from tools.benchkit import key, micros, node_config, percentile
 SIZES = {"1 KiB": 1 << 10, "1 MiB": 1 << 20, "8 MiB": 8 << 20, "64 MiB": 64 << 20}
 
 
-def _writer(config: CacheConfig, entries: dict[str, tuple[int, int]], done: str) -> None:
+def _writer(config: CacheConfig, entries: dict[str, tuple[int, int]], dtype: torch.dtype, done: str) -> None:
     with EmbeddingCache(config) as cache:
         for name, (nbytes, fill) in entries.items():
-            cache.put(key(name), torch.full((nbytes,), fill, dtype=torch.uint8))
+            cache.put(key(name), torch.full((nbytes // dtype.itemsize,), fill, dtype=dtype))
         Path(done).touch()
         while not Path(done + ".stop").exists():
             time.sleep(0.01)
 
 
 @contextlib.contextmanager
-def _written_by_another_process(config: CacheConfig, entries: dict[str, tuple[int, int]]) -> Iterator[None]:
-    """Another process puts `entries` (name: (bytes, fill byte)) and keeps them until the block ends."""
+def _written_by_another_process(
+    config: CacheConfig, entries: dict[str, tuple[int, int]], dtype: torch.dtype = torch.uint8
+) -> Iterator[None]:
+    """Another process puts `entries` (name: (bytes, fill value), tensors of `dtype`) and keeps
+    them until the block ends."""
     done = Path(f"/tmp/{config.namespace}.done")
     stop = Path(f"{done}.stop")
-    writer = mp.get_context("spawn").Process(target=_writer, args=(config, entries, str(done)))
+    writer = mp.get_context("spawn").Process(target=_writer, args=(config, entries, dtype, str(done)))
     writer.start()
     try:
         while not done.exists():
@@ -105,14 +108,14 @@ def repeat_hits(rounds: int) -> dict[str, float]:
     return micros(samples)
 
 
-def many_and_exists(rounds: int, count: int = 64) -> dict[str, float]:
-    """`get_many` of `count` hits of another process's entries (views dropped between calls), then
-    the existence check of one key and of `count` keys, back to back."""
+def many_and_exists(rounds: int, count: int = 64, dtype: torch.dtype = torch.uint8) -> dict[str, float]:
+    """`get_many` of `count` hits of another process's entries of 4 KiB (tensors of `dtype`; views
+    dropped between calls), then the existence check of one key and of `count` keys, back to back."""
     config = node_config(64 << 20)
     keys = [key(f"many-{i}") for i in range(count)]
     first, many, one, exists_many = [], [], [], []
     entries = {f"many-{i}": (4096, i % 251) for i in range(count)}
-    with EmbeddingCache(config) as cache, _written_by_another_process(config, entries):
+    with EmbeddingCache(config) as cache, _written_by_another_process(config, entries, dtype):
         for k in keys:
             t0 = time.perf_counter()
             value = cache.get(k)
@@ -268,6 +271,7 @@ def run(quick: bool) -> dict[str, Any]:
         "cross_process_hit_after_idle": cross_process_hits(rounds // 4, idle=0.01),
         "repeat_hit": repeat_hits(rounds * 10),
         "get_many_and_exists": many_and_exists(rounds),
+        "get_many_bfloat16": many_and_exists(rounds, dtype=torch.bfloat16),
         "put_8mib": put_vs_memcpy(20 if quick else 60),
         "put_1kib_full_index": small_puts(500 if quick else 3000, capacity=64 << 20),
         "put_1kib_full_arena": small_puts(500 if quick else 3000, capacity=3 << 20),
@@ -298,6 +302,11 @@ def report(results: dict[str, Any]) -> str:
     lines.append(
         f"| get_many of 64 hits | {many['get_many_p50_us']:.0f} µs "
         f"| {many['get_many_per_item_us']:.1f} µs per item | ≤ 64 µs |"
+    )
+    bf16 = results["get_many_bfloat16"]
+    lines.append(
+        f"| get_many of 64 hits, bfloat16 | {bf16['get_many_p50_us']:.0f} µs "
+        f"| {bf16['get_many_per_item_us']:.1f} µs per item | ≤ 64 µs |"
     )
     lines.append(
         f"| existence check (contains) | {many['contains_p50_us']:.2f} µs "

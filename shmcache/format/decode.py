@@ -64,8 +64,9 @@ class ArraySpec:
     offset: int
     nbytes: int
     name: str
-    np_dtype: np.dtype[Any] | None  # numpy dtype of the elements, None if numpy has no twin
+    np_dtype: np.dtype[Any]  # what the elements are read as (`_read_as`)
     torch_dtype: Any  # torch.dtype for torch arrays, None for numpy arrays
+    view_as: Any  # the torch dtype a tensor read as `np_dtype` is viewed as; None: no view
     layout: tuple[Any, ...] | None  # a torch array's (shape, strides, dtype) once built; None: numpy
 
 
@@ -81,7 +82,7 @@ class ParsedValue:
     single: ArraySpec | None  # the array that is the value itself (a tensor or ndarray value)
 
 
-_BYTE: np.dtype[np.uint8] = np.dtype(np.uint8)
+_UNSIGNED: dict[int, np.dtype[Any]] = {size: np.dtype(f"u{size}") for size in (1, 2, 4, 8)}
 _MAX_SPAN = 1 << 62  # bytes an array's nonzero dimensions may span (its strides then fit in 64 bits)
 _parsed_heads: dict[bytes, ParsedValue] = {}
 _PARSED_HEADS_MAX = 4096
@@ -183,13 +184,13 @@ def _spec(lib: int, dtype: str, shape: tuple[int, ...], offset: int, nbytes: int
         span *= max(dim, 1)
     try:
         if lib not in TORCH_LIBS:
-            np_dtype: np.dtype[Any] | None = numpy_dtype(dtype)
-            torch_type = None
-            itemsize = np_dtype.itemsize if np_dtype is not None else 0
+            np_dtype, torch_type, view_as = numpy_dtype(dtype), None, None
+            itemsize = np_dtype.itemsize
         else:
             torch_type = torch_dtype(dtype)
             itemsize = torch_type.itemsize
-            np_dtype = _numpy_twin(dtype, itemsize)
+            np_dtype, twin = _read_as(dtype, itemsize)
+            view_as = None if twin else torch_type
     except UnsupportedValue as exc:
         raise CorruptValue(str(exc)) from None
     if span * itemsize > _MAX_SPAN:  # a zero dimension beside a huge one: strides would overflow
@@ -197,7 +198,7 @@ def _spec(lib: int, dtype: str, shape: tuple[int, ...], offset: int, nbytes: int
     if count * itemsize != nbytes:
         raise CorruptValue(f"array of {dtype} {list(shape)} does not match its {nbytes} bytes")
     layout = None if torch_type is None else (shape, _contiguous_strides(shape), torch_type)
-    return ArraySpec(lib, dtype, shape, offset, nbytes, name, np_dtype, torch_type, layout)
+    return ArraySpec(lib, dtype, shape, offset, nbytes, name, np_dtype, torch_type, view_as, layout)
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -210,13 +211,20 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _numpy_twin(name: str, itemsize: int) -> np.dtype[Any] | None:
-    """The numpy dtype with the same name and size as a torch dtype (None for bfloat16 & co)."""
+def _read_as(name: str, itemsize: int) -> tuple[np.dtype[Any], bool]:
+    """(the numpy dtype a torch dtype's elements are read as, whether it is its twin): the numpy
+    dtype of the same name and size, else (bfloat16, float8 & co) the unsigned integer of its
+    size, which the tensor made over it is viewed as the torch dtype (1.1 µs a bfloat16 tensor,
+    against 3.3 µs read as bytes, viewed and reshaped)."""
     try:
         twin = numpy_dtype(name)
+        if twin.itemsize == itemsize:
+            return twin, True
     except UnsupportedValue:
-        return None
-    return twin if twin.itemsize == itemsize else None
+        pass
+    if itemsize not in _UNSIGNED:
+        raise UnsupportedValue(f"torch dtype {name} has {itemsize}-byte elements and no numpy twin")
+    return _UNSIGNED[itemsize], False
 
 
 def as_byte_array(buffer: memoryview | bytes | bytearray | np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
@@ -273,17 +281,14 @@ def materialize(
 def _materialize(array: np.ndarray[Any, Any], spec: ArraySpec, copy: bool, base: int) -> Any:
     offset = base + spec.offset
     if spec.torch_dtype is None:  # a numpy array, read-only unless it is a copy
-        assert spec.np_dtype is not None
         result = _arrays.array(array, offset, spec.np_dtype, spec.shape, False)
         return result.copy() if copy else result
     torch = sys.modules["torch"]  # imported: `spec.torch_dtype` is one of its dtypes
     if spec.nbytes == 0:
         return torch.empty(spec.shape, dtype=spec.torch_dtype)
-    if spec.np_dtype is not None:
-        tensor = torch.from_numpy(_arrays.array(array, offset, spec.np_dtype, spec.shape, True))
-    else:
-        raw = _arrays.array(array, offset, _BYTE, (spec.nbytes,), True)
-        tensor = torch.from_numpy(raw).view(spec.torch_dtype).reshape(spec.shape)
+    tensor = torch.from_numpy(_arrays.array(array, offset, spec.np_dtype, spec.shape, True))
+    if spec.view_as is not None:  # no numpy twin: read as unsigned integers of its size
+        tensor = tensor.view(spec.view_as)
     return tensor.clone() if copy else tensor
 
 
