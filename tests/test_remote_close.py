@@ -16,10 +16,12 @@ from pathlib import Path
 import numpy as np
 
 from shmcache import CacheConfig, EmbeddingCache, ShmCacheError
+from shmcache.remote.store import RemoteStore
 from shmcache.testing import MooncakeMaster
 from tests.helpers import kill, map_fresh, mapped_ranges, running, spawn, wait_for
 from tests.test_remote import remote_config
 from tests.test_remote_in_place import SIZE, stopped_publisher
+from tests.test_remote_recovery import _available
 from tests.workers import expected_value, fingerprint, key_of
 
 
@@ -191,3 +193,107 @@ def test_a_set_up_whose_master_dies_before_its_health_check_does_not_wait_to_clo
         worker.join(120)
         assert worker.exitcode == 0
     assert float(out.read_text()) < 3.0, out.read_text()
+
+
+def pull_while_closing(config: CacheConfig, closed: str, out: str) -> None:
+    """Node B: close the cache, and while the close is under way (the remote store not closed
+    yet) pull "shared" in another thread, whose transfer would hang (node A is stopped). Write
+    what the pull got, then stay (the arena mapped, the client alive) until killed."""
+    cache = EmbeddingCache(config)
+    outcome: list[str] = []
+
+    def pull() -> None:
+        try:
+            value = cache.get_or_compute(key_of("shared"), lambda: expected_value("shared", SIZE))
+            right = fingerprint(value) == fingerprint(expected_value("shared", SIZE))
+            outcome.append("value" if right else "a wrong value")
+        except ShmCacheError as exc:
+            outcome.append(type(exc).__name__)
+
+    store_close = RemoteStore.close
+
+    def close_once_a_pull_started(store: RemoteStore, drain_s: float = 0.0) -> bool:
+        puller = threading.Thread(target=pull)
+        puller.start()
+        time.sleep(0.5)  # its transfer, if one starts, is under way by then
+        try:
+            return store_close(store, drain_s)
+        finally:
+            puller.join(120)
+
+    RemoteStore.close = close_once_a_pull_started  # type: ignore[method-assign]
+    cache.close()
+    Path(out).write_text(",".join(outcome) or "no answer")
+    Path(closed).touch()
+    time.sleep(600)
+
+
+def test_a_pull_started_while_the_cache_closes_never_writes_memory_the_close_freed(
+    shmcache_mooncake: MooncakeMaster, shmcache_namespace: str, other_namespace: str, tmp_path: Path
+) -> None:
+    """A pull that starts while the cache closes (another thread) starts no transfer into node
+    memory. Before, its transfer hung past the close, which did not wait for it (only a failed
+    transfer made it wait); the detach freed its extent, another process stored an entry there,
+    and the transfer, going on, overwrote that entry (found by an independent review)."""
+    closed, out = tmp_path / "closed", tmp_path / "out"
+    master = shmcache_mooncake.address
+    with (
+        stopped_publisher(master, shmcache_namespace, other_namespace) as (node_b, node_a),
+        EmbeddingCache(dataclasses.replace(node_b, remote_master=None)) as other,  # keeps the namespace
+        running(pull_while_closing, node_b, str(closed), str(out)),
+    ):
+        wait_for(closed.exists, timeout=120, what="node B to close")
+        assert out.read_text() in ("value", "CacheClosed"), out.read_text()
+        fillers = [f"filler-{i}" for i in range(6)]  # 3 fit: every extent is written again
+        for name in fillers:
+            other.put(key_of(name), expected_value(name, SIZE))
+        os.kill(node_a, signal.SIGCONT)  # a transfer still running goes on
+        time.sleep(3.0)
+        present = {name: other.get(key_of(name)) for name in fillers[-3:]}
+        assert all(value is not None for value in present.values()), "an entry was dropped"
+        for name, value in present.items():
+            assert fingerprint(value) == fingerprint(expected_value(name, SIZE)), f"{name} was overwritten"
+        assert other.stats()["corrupt_records"] == 0
+
+
+def set_aside_then_close_on_a_stopped_master(config: CacheConfig, node_a: int, master: int, out: str) -> None:
+    """Node B: a pull whose transfer hangs (node A is stopped) sets its memory aside; node A goes
+    on and the late transfer ends; then, the master stopped, write how long `close` took."""
+    cache = EmbeddingCache(config)
+    cache.get_or_compute(key_of("shared"), lambda: expected_value("shared", SIZE))
+    assert cache.stats()["remote_set_aside"] == 1
+    os.kill(node_a, signal.SIGCONT)
+    wait_for(lambda: cache.stats()["stale"] == 0, timeout=60, what="the late transfer's end")
+    wait_for(lambda: _available(cache), timeout=60, what="the store to answer again")
+    os.kill(master, signal.SIGSTOP)
+    started = time.monotonic()
+    try:
+        cache.close()
+    finally:
+        os.kill(master, signal.SIGCONT)
+    Path(out).write_text(str(time.monotonic() - started))
+    os._exit(0)
+
+
+def test_a_close_after_a_settled_set_aside_does_not_wait_on_a_stopped_master(
+    shmcache_mooncake: MooncakeMaster, shmcache_namespace: str, other_namespace: str, tmp_path: Path
+) -> None:
+    """Memory set aside once, long since freed: a close on a stopped master waits only for
+    transfers still writing node memory, and there are none. Before, any set-aside made the close
+    wait up to 90 s for every call still running, its own probe of the master included (30 s;
+    found by an independent review)."""
+    out = tmp_path / "out"
+    assert shmcache_mooncake.process.pid is not None
+    with (
+        stopped_publisher(shmcache_mooncake.address, shmcache_namespace, other_namespace) as (node_b, node_a),
+        running(
+            set_aside_then_close_on_a_stopped_master,
+            dataclasses.replace(node_b, remote_single_flight=False),
+            node_a,
+            shmcache_mooncake.process.pid,
+            str(out),
+        ) as worker,
+    ):
+        worker.join(180)
+        assert worker.exitcode == 0
+    assert float(out.read_text()) < 5.0, out.read_text()

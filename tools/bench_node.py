@@ -299,15 +299,11 @@ def report(results: dict[str, Any]) -> str:
         f"| first hit of an entry in a process, 4 KiB | {many['first_hit_p50_us']:.1f} µs "
         f"| {many['first_hit_p99_us']:.1f} µs | |"
     )
-    lines.append(
-        f"| get_many of 64 hits | {many['get_many_p50_us']:.0f} µs "
-        f"| {many['get_many_per_item_us']:.1f} µs per item | ≤ 64 µs |"
-    )
-    bf16 = results["get_many_bfloat16"]
-    lines.append(
-        f"| get_many of 64 hits, bfloat16 | {bf16['get_many_p50_us']:.0f} µs "
-        f"| {bf16['get_many_per_item_us']:.1f} µs per item | ≤ 64 µs |"
-    )
+    for label, row in (("", many), (", bfloat16", results["get_many_bfloat16"])):
+        lines.append(
+            f"| get_many of 64 hits{label} | {row['get_many_p50_us']:.0f} µs "
+            f"| {row['get_many_per_item_us']:.1f} µs per item | ≤ 64 µs |"
+        )
     lines.append(
         f"| existence check (contains) | {many['contains_p50_us']:.2f} µs "
         f"| contains_many: {many['contains_many_per_item_us']:.2f} µs per key | ≤ 1 µs |"

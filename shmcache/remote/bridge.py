@@ -107,15 +107,15 @@ class RemoteBridge:
         self.set_aside = SetAside(node)  # node memory our transfers may still write
 
     def close(self) -> None:
-        """Finish queued publishes (they hold pins), then disconnect. After a failed transfer into
-        the arena, wait (up to `DRAIN_S`) for calls still running: the set-aside memory is freed
-        when this process detaches, and no transfer may write it then."""
-        tainted = self.set_aside.closing()
-        closed = self.store.close(drain_s=DRAIN_S if tainted else 0.0)
-        if not closed and tainted:
-            log.error("shmcache: a Mooncake transfer into node memory is still running at close")
+        """Finish queued publishes (they hold pins), then disconnect, first waiting (up to
+        `DRAIN_S`) for the transfers into node memory still running: the memory they write is
+        freed when this process detaches. None starts once the close began."""
+        self.set_aside.closing()  # first: no transfer into node memory starts from here
+        closed = self.store.close(drain_s=DRAIN_S)
         if closed:
             self.set_aside.closed()
+        elif self.store.writing_node_memory():
+            log.error("shmcache: a Mooncake transfer into node memory is still running at close")
 
     def pull(self, reservation: Reservation, *, guess: bool = True) -> Pulled:
         """Under our `reservation`: bring the key's entry from the store into node memory and seal
@@ -165,6 +165,9 @@ class RemoteBridge:
         except CapacityError:
             return NotInPlace.NO_ROOM
         transfer = self.set_aside.start(reservation)  # from here an exception sets it aside
+        if transfer is None:  # closing: a miss, the extent given back
+            node.shrink(slot, gen, 0)
+            return None
         try:
             fetched = self.store.fetch_into(name, self._arena_address + offset, room, transfer.calls.append)
         except BaseException:  # interrupted while the transfer may go on (the call is in `calls`)

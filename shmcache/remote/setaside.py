@@ -5,7 +5,9 @@ A transfer is *unread* from before its call until its answer is read (`start` ..
 that timed out, or failed in a way that may leave slices in flight (answers.py), may still write
 after the call returned, so its reservation is *set aside* (`NodeIndex.set_aside`: out of the
 index, its extent kept by one pin of ours) and freed when the call that outlived its wait answers
-that nothing writes there any more (the object arrived, or no transfer ran); else at the detach.
+that nothing writes there any more (the object arrived, or no transfer ran); else at the detach,
+which the store's close delays (up to `DRAIN_S`) while a transfer into node memory still runs.
+None starts once the close began (`closing`).
 Without a spare pin it stays reserved (ours) until close.
 An exception between the call and the reading of its answer (a KeyboardInterrupt) leaves the
 transfer unread, and the caller's exception path (`interrupted`) sets it aside before it may give
@@ -47,15 +49,19 @@ class SetAside:
 
     def __init__(self, node: NodeIndex) -> None:
         self._node = node
-        self.tainted = False  # a transfer into the arena failed: its memory is set aside
-        self._kept: list[Reservation] = []  # tainted, and no pin to set it aside: kept till close
+        self._kept: list[Reservation] = []  # set aside without a pin to do it: kept till close
         self._unread: list[Unread] = []
         self._closing, self._closed = threading.Lock(), False
 
-    def start(self, reservation: Reservation) -> Unread:
-        """Before a transfer into `reservation`'s extent starts: from here an exception sets it aside."""
-        transfer = Unread(reservation)
-        self._unread.append(transfer)
+    def start(self, reservation: Reservation) -> Unread | None:
+        """Before a transfer into `reservation`'s extent starts: from here an exception sets it
+        aside. None once the store closes: no transfer into node memory starts then (its close
+        would not wait for it, and the detach would free the memory it writes)."""
+        with self._closing:
+            if self._closed:
+                return None
+            transfer = Unread(reservation)
+            self._unread.append(transfer)
         return transfer
 
     def read(self, transfer: Unread) -> None:
@@ -67,7 +73,6 @@ class SetAside:
         till close if that cannot be done), its memory freed when the late call answers clean."""
         node, reservation = self._node, transfer.reservation
         slot, gen = reservation.slot, reservation.gen
-        self.tainted = True
         if transfer.set_aside is None:
             try:
                 done = node.set_aside(slot, gen)
@@ -106,13 +111,11 @@ class SetAside:
         held = list(self._kept) + [transfer.reservation for transfer in list(self._unread)]
         return {(res.slot, res.gen) for res in held}
 
-    def closing(self) -> bool:
-        """From now on late calls leave their memory to the detach; True if calls may still
-        write node memory (a transfer failed, or one is unread: interrupted twice, or running),
-        so the store's close must wait for them."""
+    def closing(self) -> None:
+        """From now on no transfer into node memory starts, and late calls leave their memory to
+        the detach (the store's close waits for the transfers into node memory still running)."""
         with self._closing:
             self._closed = True
-        return self.tainted or bool(self._unread)
 
     def closed(self) -> None:
         """The store's client is closed (no transfer runs any more): free what was kept reserved."""

@@ -56,6 +56,7 @@ from shmcache.remote.answers import (
 )
 from shmcache.remote.connection import Connection, leave_to_exit
 from shmcache.remote.health import Health
+from shmcache.remote.registered import NodeMemory
 from shmcache.remote.staging import Staging
 
 __all__ = ["RemoteStore", "remote_key"]
@@ -90,11 +91,10 @@ class RemoteStore:
         self._holder, self._buffer_bytes = config.remote_holder, config.remote_buffer_bytes
         self._tcp = config.remote_protocol == "tcp"  # config.py
         self._client: Any = None
-        self._running: set[Future[Any]] = set()  # calls not done yet: `close` waits for them
+        self._running: dict[Future[Any], bool] = {}  # calls not done yet: do they write node memory
         self._submitting, self._closing = threading.Lock(), False
         self.staging: Staging | None = None
-        self._warned_full, self._registered = False, set[tuple[int, int]]()
-        self._wanted = set[tuple[int, int]]()  # ranges `register` was asked for
+        self._warned_full, self._node_memory = False, NodeMemory(thin=self._holder is not None)
         self._slots = threading.BoundedSemaphore(config.remote_publish_queue)
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="shmcache-publish")
         self._calls = ThreadPoolExecutor(max_workers=4, thread_name_prefix="shmcache-remote")
@@ -113,8 +113,7 @@ class RemoteStore:
         if `register` was asked for it before (the master was down at open)."""
         self.staging = Staging(client, pooled=self._holder is not None, pool_bytes=self._buffer_bytes)
         self._client = client
-        for address, nbytes in list(self._wanted):
-            self.register(address, nbytes)
+        self._node_memory.ready(client)
 
     def _answers(self) -> bool:
         """The prober's question: can values be stored again? The client is set up if it never
@@ -133,13 +132,14 @@ class RemoteStore:
     def available(self) -> bool:
         return self.health.up and self._client is not None and not self._closing
 
-    def _call(self, method: str, *args: Any, stuck: Stuck = None) -> Any:
+    def _call(self, method: str, *args: Any, stuck: Stuck = None, writes_node: bool = False) -> Any:
         """`client.method(*args)` (a return code, or a list of them), waiting at most `timeout_s`.
         An outage begins when the master is gone (None; a batch's list is kept: its other items
         may have transferred, or failed mid-transfer) or does not answer in time (`TIMED_OUT`:
         the call goes on in its thread and may still write into the memory it was given; its
         future is handed to `stuck`, as it is when the wait is interrupted: `close` waits for it).
-        A call that raised answers `RAISED` (counted, warned); one cancelled by `close`, None."""
+        A call that raised answers `RAISED` (counted, warned); one cancelled by `close`, None.
+        `writes_node`: it writes node memory (`close` waits for it up to its `drain_s`)."""
         client = self._client
         if client is None:
             return None
@@ -148,8 +148,8 @@ class RemoteStore:
                 future = self._calls.submit(getattr(client, method), *args)
             except RuntimeError:  # the executor is shut down: closing
                 return None
-            self._running.add(future)
-        future.add_done_callback(self._running.discard)
+            self._running[future] = writes_node
+        future.add_done_callback(lambda done: self._running.pop(done, None))
         try:
             result = future.result(self._timeout)
         except FutureTimeout:
@@ -181,11 +181,7 @@ class RemoteStore:
     def register(self, address: int, nbytes: int) -> None:
         """Register node memory for zero-copy transfers (once per range; a thin client cannot);
         asked before the client is set up, it is registered when it is."""
-        self._wanted.add((address, nbytes))
-        client = self._client
-        fresh = client is not None and not self._holder and (address, nbytes) not in self._registered
-        if fresh and client.register_buffer(address, nbytes) == 0:
-            self._registered.add((address, nbytes))
+        self._node_memory.register(address, nbytes, self._client)
 
     def size_of(self, name: str) -> int | None:
         """The stored size of `name`, or None when it is not available."""
@@ -217,15 +213,14 @@ class RemoteStore:
     def pulls_in_place(self, address: int, nbytes: int) -> bool:
         """Whether a pull can land straight in [address, address + nbytes): memory registered by
         `register` (never as a thin client, whose transfers go through the holder's pool)."""
-        return self.available and any(
-            start <= address and address + nbytes <= start + length for start, length in self._registered
-        )
+        return self.available and self._node_memory.covers(address, nbytes)
 
     def fetch_into(self, name: str, address: int, room: int, stuck: Stuck = None) -> Fetched:
         """`get_into` of the stored bytes of `name` at `address` (registered memory, `room` bytes:
         the object's size or more); a call that outlived its wait is handed to `stuck` (TAINTED)."""
         started = CallStart.now()
-        rc = self._call("get_into", name, address, room, stuck=stuck)
+        writes_node = self._node_memory.covers(address, room)
+        rc = self._call("get_into", name, address, room, stuck=stuck, writes_node=writes_node)
         fetched = get_into_outcome(rc, room, failure_settled=started.failure_settled(self._tcp))
         if isinstance(rc, int) and (fetched.outcome is Transfer.TAINTED or taints(rc)):
             self._count(Counter.REMOTE_ERRORS, 1)  # a failed transfer, settled or not
@@ -348,10 +343,15 @@ class RemoteStore:
             ctypes.memmove(int(buffer.ctypes.data), address, nbytes)
             return int(client.put_from(name, int(buffer.ctypes.data), nbytes))
 
+    def writing_node_memory(self) -> bool:
+        """Whether a call that writes node memory is still running."""
+        return any(writes and not future.done() for future, writes in list(self._running.items()))
+
     def close(self, drain_s: float = 0.0) -> bool:
-        """Stop probing, finish queued publishes, wait up to `drain_s` for calls still running (a
-        client closed under a transfer crashes the process), then disconnect if the master answers
-        (Mooncake's close waits 60 s for one that does not): True if the client was closed."""
+        """Stop probing, finish queued publishes, wait up to `drain_s` for the calls still writing
+        node memory (it is freed with the cache), then disconnect if no call runs any more (a
+        client closed under a transfer crashes the process) and the master answers (Mooncake's
+        close waits 60 s for one that does not): True if the client was closed."""
         self._connection.close()  # first: a prober in a child set-up ends it, and the join is short
         self.health.close()
         self._executor.shutdown(wait=True)
@@ -360,10 +360,13 @@ class RemoteStore:
         with self._submitting:
             self._closing = True  # nothing asks the client from here on (its buffers included)
             self._calls.shutdown(wait=False, cancel_futures=True)
-            running = [future for future in list(self._running) if not future.done()]
-        if running:  # closing the client under a running transfer crashes the process (SIGSEGV)
-            futures_wait(running, timeout=drain_s)
-        if any(not future.done() for future in running):
+            running = [
+                (future, writes) for future, writes in list(self._running.items()) if not future.done()
+            ]
+        writing = [future for future, writes in running if writes]
+        if writing:  # the memory they write is freed with the cache
+            futures_wait(writing, timeout=drain_s)
+        if any(not future.done() for future, _ in running):
             return leave_to_exit(self._client, self.staging, "a Mooncake call is still running")
         if self._client is not None and not self.health.up:
             return leave_to_exit(self._client, self.staging, "the Mooncake master does not answer")
