@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from shmcache import CacheConfig, EmbeddingCache, ShmCacheError
+from shmcache.remote.staging import Staging
 from shmcache.remote.store import RemoteStore
 from shmcache.testing import MooncakeMaster
 from tests.helpers import kill, map_fresh, mapped_ranges, running, spawn, wait_for
@@ -297,3 +298,41 @@ def test_a_close_after_a_settled_set_aside_does_not_wait_on_a_stopped_master(
         worker.join(180)
         assert worker.exitcode == 0
     assert float(out.read_text()) < 5.0, out.read_text()
+
+
+def close_while_a_batch_pull_makes_its_buffer(config: CacheConfig, out: str) -> None:
+    """Node B: a batch pull whose first pull buffer is made while another thread closes the cache
+    (the buffer waits up to 3 s for the close to end); write what the pull got."""
+    cache = EmbeddingCache(config)
+    pull_buffer = Staging.pull_buffer
+    closer = threading.Thread(target=cache.close)
+
+    def once_closed(staging: Staging, size: int) -> np.ndarray | None:
+        if not closer.is_alive() and closer.ident is None:
+            closer.start()
+            closer.join(3.0)  # the close is over by then unless it waits for this call
+        return pull_buffer(staging, size)
+
+    Staging.pull_buffer = once_closed  # type: ignore[method-assign]
+    try:
+        outcome = "reserved" if cache.try_reserve_many([key_of("absent")])[0] is not None else "None"
+    except ShmCacheError as exc:
+        outcome = type(exc).__name__
+    closer.join(60)
+    Path(out).write_text(outcome)
+    os._exit(0)
+
+
+def test_a_close_never_closes_the_client_under_a_pull_buffer_being_made(
+    shmcache_mooncake: MooncakeMaster, shmcache_namespace: str, tmp_path: Path
+) -> None:
+    """A batch pull makes its pull buffer (registered with the Mooncake client) while another
+    thread closes the cache: the close waits for it. Before, the close closed the client first,
+    and registering the buffer with a closed client killed the process (SIGSEGV; suspected by an
+    independent review)."""
+    out = tmp_path / "out"
+    config = remote_config(shmcache_namespace, shmcache_mooncake.address)
+    with running(close_while_a_batch_pull_makes_its_buffer, config, str(out)) as worker:
+        worker.join(120)
+        assert worker.exitcode == 0, f"node B ended with {worker.exitcode} (-11: SIGSEGV)"
+    assert out.read_text() in ("reserved", "None", "CacheClosed"), out.read_text()

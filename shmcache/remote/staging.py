@@ -29,11 +29,13 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 
-__all__ = ["LateCall", "Loan", "Staging"]
+__all__ = ["TOO_LARGE", "LateCall", "Loan", "Staging"]
+
+TOO_LARGE: Final = 1  # not a Mooncake code: a value larger than the thin client's publish buffer
 
 
 @dataclass(frozen=True)
@@ -74,7 +76,7 @@ class Staging:
         self._pull: np.ndarray | None = None
         self._publish: np.ndarray | None = None
         self._lent: list[Loan] = []  # pull buffers a transfer call may still write into
-        self.publish_lock = threading.Lock()
+        self._publish_lock = threading.Lock()
 
     def _pool_array(self, nbytes: int) -> np.ndarray | None:
         """`nbytes` of the holder's pool, registered; None when the pool has no room left."""
@@ -138,8 +140,20 @@ class Staging:
                 return loan.buffer
         return None
 
-    def publish_buffer(self, size: int) -> np.ndarray | None:
-        """Pooled mode: the buffer a publish copies its entry into (hold `publish_lock`)."""
+    def put_from(self, name: str, address: int, nbytes: int) -> int:
+        """`put_from` of [address, address + nbytes): straight from there with our own segment,
+        through the publish buffer as a thin client (`TOO_LARGE` if it cannot hold it)."""
+        if not self.pooled:
+            return int(self._client.put_from(name, address, nbytes))
+        with self._publish_lock:  # one publish at a time through it
+            buffer = self._publish_buffer(nbytes)
+            if buffer is None:
+                return TOO_LARGE
+            ctypes.memmove(int(buffer.ctypes.data), address, nbytes)
+            return int(self._client.put_from(name, int(buffer.ctypes.data), nbytes))
+
+    def _publish_buffer(self, size: int) -> np.ndarray | None:
+        """Pooled mode: the buffer a publish copies its entry into."""
         if self._publish is None and self._half:
             self._publish = self._pool_array(self._half)
         buffer = self._publish

@@ -23,7 +23,6 @@ transport binds there too (`MC_TCP_BIND_ADDRESS`, unless the environment already
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import threading
@@ -57,13 +56,12 @@ from shmcache.remote.answers import (
 from shmcache.remote.connection import Connection, leave_to_exit
 from shmcache.remote.health import Health
 from shmcache.remote.registered import NodeMemory
-from shmcache.remote.staging import Staging
+from shmcache.remote.staging import TOO_LARGE, Loan, Staging
 
 __all__ = ["RemoteStore", "remote_key"]
 
 log = logging.getLogger("shmcache")
 
-_TOO_LARGE = 1  # not a Mooncake code: a value larger than the thin client's publish buffer
 Stuck = Callable[[Future[Any]], None] | None  # told of a call that outlived its wait
 PROBE_KEY = "shmcache@probe"  # the recovery probe's 1-byte value (first writer wins: never rewritten)
 
@@ -200,15 +198,24 @@ class RemoteStore:
         staging = self.staging
         if not self.available or staging is None:
             return None
-        buffer = staging.pull_buffer(size)
-        if buffer is None:
-            self._count(Counter.REMOTE_ERRORS, 1)
+        loan = self._lend(staging, size, nothing_in_flight)
+        if loan is None:
+            if not self._closing:
+                self._count(Counter.REMOTE_ERRORS, 1)
             return None
-        loan = staging.lend(buffer, nothing_in_flight)
+        buffer = loan.buffer
         fetched = self.fetch_into(name, int(buffer.ctypes.data), size, loan.calls.append)
         if fetched.outcome is not Transfer.TAINTED:
             staging.give_back(loan)
         return buffer[: fetched.nbytes] if fetched.outcome is Transfer.DONE else None
+
+    def _lend(self, staging: Staging, size: int, clean: Callable[[Any], bool]) -> Loan | None:
+        """A pull buffer of `size` bytes lent to one transfer call (`Staging.lend`); None if none
+        can hold it or the store is closing. Under the lock `close` takes before it closes the
+        client: registering a buffer with a closed client kills the process (SIGSEGV)."""
+        with self._submitting:
+            buffer = None if self._closing or not self.available else staging.pull_buffer(size)
+            return None if buffer is None else staging.lend(buffer, clean)
 
     def pulls_in_place(self, address: int, nbytes: int) -> bool:
         """Whether a pull can land straight in [address, address + nbytes): memory registered by
@@ -253,13 +260,12 @@ class RemoteStore:
         more than `cap` bytes (for the caller to fetch alone)."""
         staging = self.staging
         found: list[np.ndarray | None] = [None] * len(names)
-        buffer = staging.pull_buffer(cap * len(names)) if staging is not None and self.available else None
-        if buffer is None:
+        loan = self._lend(staging, cap * len(names), batch_clean) if staging is not None else None
+        if loan is None:
             return found, list(range(len(names))) if self.available else []
-        base = int(buffer.ctypes.data)
-        addresses = [base + i * cap for i in range(len(names))]
         assert staging is not None
-        loan = staging.lend(buffer, batch_clean)
+        buffer, base = loan.buffer, int(loan.buffer.ctypes.data)
+        addresses = [base + i * cap for i in range(len(names))]
         started = CallStart.now()
         rcs = self._call("batch_get_into", names, addresses, [cap] * len(names), stuck=loan.calls.append)
         failure_settled = started.failure_settled(self._tcp)
@@ -306,16 +312,17 @@ class RemoteStore:
     def _put(self, name: str, address: int, nbytes: int, done: Callable[[bool], None]) -> None:
         stored = False
         try:
-            client = self._client
-            if client is None or not self.health.up:
+            staging = self.staging
+            if staging is None or not self.health.up:
                 self._count(Counter.REMOTE_PUBLISH_DROPS, 1)  # an outage began since it was queued
                 return
-            rc = self._put_from(client, name, address, nbytes)
+            rc = staging.put_from(name, address, nbytes)
             stored = rc == 0
             if stored:
                 self._count(Counter.REMOTE_PUBLISHES, 1)
-            elif rc == _TOO_LARGE:
-                pass  # counted as a drop
+            elif rc == TOO_LARGE:
+                self._count(Counter.REMOTE_PUBLISH_DROPS, 1)
+                log.debug("shmcache: %s is larger than the publish buffer, not published", name)
             elif rc in MASTER_GONE:
                 self._count(Counter.REMOTE_PUBLISH_DROPS, 1)
                 self.health.down(f"Mooncake master {self.master} stopped answering (rc {rc})")
@@ -327,21 +334,6 @@ class RemoteStore:
         finally:
             self._slots.release()
             done(stored)
-
-    def _put_from(self, client: Any, name: str, address: int, nbytes: int) -> int:
-        """`put_from` of [address, address + nbytes): straight from the arena with our own
-        segment, through the pool's publish buffer as a thin client."""
-        staging = self.staging
-        if staging is None or not staging.pooled:
-            return int(client.put_from(name, address, nbytes))
-        with staging.publish_lock:
-            buffer = staging.publish_buffer(nbytes)
-            if buffer is None:
-                self._count(Counter.REMOTE_PUBLISH_DROPS, 1)
-                log.debug("shmcache: %s is larger than the publish buffer, not published", name)
-                return _TOO_LARGE
-            ctypes.memmove(int(buffer.ctypes.data), address, nbytes)
-            return int(client.put_from(name, int(buffer.ctypes.data), nbytes))
 
     def writing_node_memory(self) -> bool:
         """Whether a call that writes node memory is still running."""
