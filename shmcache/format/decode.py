@@ -82,7 +82,9 @@ class ParsedValue:
     single: ArraySpec | None  # the array that is the value itself (a tensor or ndarray value)
 
 
-_UNSIGNED: dict[int, np.dtype[Any]] = {size: np.dtype(f"u{size}") for size in (1, 2, 4, 8)}
+_INTEGERS: dict[int, np.dtype[Any]] = {
+    size: np.dtype(f"i{size}") for size in (1, 2, 4, 8)
+}  # torch < 2.3: no uint16+
 _MAX_SPAN = 1 << 62  # bytes an array's nonzero dimensions may span (its strides then fit in 64 bits)
 _parsed_heads: dict[bytes, ParsedValue] = {}
 _PARSED_HEADS_MAX = 4096
@@ -213,18 +215,18 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 def _read_as(name: str, itemsize: int) -> tuple[np.dtype[Any], bool]:
     """(the numpy dtype a torch dtype's elements are read as, whether it is its twin): the numpy
-    dtype of the same name and size, else (bfloat16, float8 & co) the unsigned integer of its
-    size, which the tensor made over it is viewed as the torch dtype (1.1 µs a bfloat16 tensor,
-    against 3.3 µs read as bytes, viewed and reshaped)."""
+    dtype of the same name and size, else (bfloat16, float8 & co) the integer of its size, which
+    the tensor made over it is viewed as the torch dtype (1.1 µs a bfloat16 tensor, against
+    3.3 µs read as bytes, viewed and reshaped)."""
     try:
         twin = numpy_dtype(name)
         if twin.itemsize == itemsize:
             return twin, True
     except UnsupportedValue:
         pass
-    if itemsize not in _UNSIGNED:
+    if itemsize not in _INTEGERS:
         raise UnsupportedValue(f"torch dtype {name} has {itemsize}-byte elements and no numpy twin")
-    return _UNSIGNED[itemsize], False
+    return _INTEGERS[itemsize], False
 
 
 def as_byte_array(buffer: memoryview | bytes | bytearray | np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
@@ -287,7 +289,7 @@ def _materialize(array: np.ndarray[Any, Any], spec: ArraySpec, copy: bool, base:
     if spec.nbytes == 0:
         return torch.empty(spec.shape, dtype=spec.torch_dtype)
     tensor = torch.from_numpy(_arrays.array(array, offset, spec.np_dtype, spec.shape, True))
-    if spec.view_as is not None:  # no numpy twin: read as unsigned integers of its size
+    if spec.view_as is not None:  # no numpy twin: read as integers of its size
         tensor = tensor.view(spec.view_as)
     return tensor.clone() if copy else tensor
 

@@ -55,8 +55,8 @@ __all__ = ["BATCH_ITEM_BYTES", "LOOK_AGAIN", "LookAgain", "Pulled", "RemoteBridg
 
 BATCH_ITEM_BYTES: Final = 64 << 10  # a batch pull gives each item this much room (measured: 66
 # items of 4 KiB in 5-8 ms with 64 KiB each, 150 ms with 1 MiB each; alone: 30-54 ms + sizes)
-DRAIN_S: Final = 90.0  # at close, how long to wait for a call stuck on set-aside memory (Mooncake
-# itself gives up on a transfer after 60 s)
+DRAIN_S: Final = 90.0  # at close, how long to wait for transfers still writing node memory
+# (Mooncake itself gives up on a transfer after 60 s)
 
 log = logging.getLogger("shmcache")
 

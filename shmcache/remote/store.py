@@ -135,7 +135,7 @@ class RemoteStore:
         An outage begins when the master is gone (None; a batch's list is kept: its other items
         may have transferred, or failed mid-transfer) or does not answer in time (`TIMED_OUT`:
         the call goes on in its thread and may still write into the memory it was given; its
-        future is handed to `stuck`, as it is when the wait is interrupted: `close` waits for it).
+        future is handed to `stuck`, as it is when the wait is interrupted).
         A call that raised answers `RAISED` (counted, warned); one cancelled by `close`, None.
         `writes_node`: it writes node memory (`close` waits for it up to its `drain_s`)."""
         client = self._client
@@ -172,7 +172,7 @@ class RemoteStore:
         return result
 
     def _outlived(self, call: Future[Any], stuck: Stuck) -> None:
-        """`call` runs on after we stopped waiting: `stuck` is told (`close` waits for it too)."""
+        """`call` runs on after we stopped waiting: `stuck` is told."""
         if stuck is not None:
             stuck(call)
 
@@ -356,8 +356,11 @@ class RemoteStore:
                 (future, writes) for future, writes in list(self._running.items()) if not future.done()
             ]
         writing = [future for future, writes in running if writes]
-        if writing:  # the memory they write is freed with the cache
-            futures_wait(writing, timeout=drain_s)
+        try:
+            futures_wait(writing, timeout=drain_s)  # the memory they write is freed with the cache
+        except BaseException:  # interrupted: what runs on keeps the client until the exit
+            leave_to_exit(self._client, self.staging, "the close was interrupted")
+            raise
         if any(not future.done() for future, _ in running):
             return leave_to_exit(self._client, self.staging, "a Mooncake call is still running")
         if self._client is not None and not self.health.up:
