@@ -26,21 +26,23 @@ from tests.test_remote_recovery import _available
 from tests.workers import expected_value, fingerprint, key_of
 
 
+def pull_shared(cache: EmbeddingCache, outcome: list[str]) -> None:
+    """`get_or_compute` of "shared": append "value", "a wrong value" or the name of the typed
+    error it raised (closed under it: a typed error is an answer too)."""
+    try:
+        value = cache.get_or_compute(key_of("shared"), lambda: expected_value("shared", SIZE))
+        right = fingerprint(value) == fingerprint(expected_value("shared", SIZE))
+        outcome.append("value" if right else "a wrong value")
+    except ShmCacheError as exc:
+        outcome.append(type(exc).__name__)
+
+
 def close_while_pulling(config: CacheConfig, closing: str, out: str) -> None:
     """Node B: pull "shared" in a thread (its transfer hangs: node A is stopped), close the cache
     meanwhile, and write what the pull got."""
     cache = EmbeddingCache(config)
     outcome: list[str] = []
-
-    def pull() -> None:
-        try:
-            value = cache.get_or_compute(key_of("shared"), lambda: expected_value("shared", SIZE))
-            right = fingerprint(value) == fingerprint(expected_value("shared", SIZE))
-            outcome.append("value" if right else "a wrong value")
-        except ShmCacheError as exc:  # closed under it: a typed error is an answer too
-            outcome.append(type(exc).__name__)
-
-    puller = threading.Thread(target=pull)
+    puller = threading.Thread(target=pull_shared, args=(cache, outcome))
     puller.start()
     time.sleep(2.0)  # the pull's transfer is running by then (node A answers nothing)
     Path(closing).touch()
@@ -202,19 +204,10 @@ def pull_while_closing(config: CacheConfig, closed: str, out: str) -> None:
     what the pull got, then stay (the arena mapped, the client alive) until killed."""
     cache = EmbeddingCache(config)
     outcome: list[str] = []
-
-    def pull() -> None:
-        try:
-            value = cache.get_or_compute(key_of("shared"), lambda: expected_value("shared", SIZE))
-            right = fingerprint(value) == fingerprint(expected_value("shared", SIZE))
-            outcome.append("value" if right else "a wrong value")
-        except ShmCacheError as exc:
-            outcome.append(type(exc).__name__)
-
     store_close = RemoteStore.close
 
     def close_once_a_pull_started(store: RemoteStore, drain_s: float = 0.0) -> bool:
-        puller = threading.Thread(target=pull)
+        puller = threading.Thread(target=pull_shared, args=(cache, outcome))
         puller.start()
         time.sleep(0.5)  # its transfer, if one starts, is under way by then
         try:
