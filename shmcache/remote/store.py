@@ -200,7 +200,7 @@ class RemoteStore:
             return None
         loan = self._lend(staging, size, nothing_in_flight)
         if loan is None:
-            if not self._closing:
+            if self.available:  # no buffer could hold it (not an outage, not the close)
                 self._count(Counter.REMOTE_ERRORS, 1)
             return None
         buffer = loan.buffer
