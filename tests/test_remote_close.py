@@ -133,7 +133,7 @@ def close_while_a_batch_pull_transfers(config: CacheConfig, closed: str, resumed
     fresh = map_fresh(before - mapped_ranges())
     Path(closed).touch()
     wait_for(Path(resumed).exists, what="node A to go on")
-    time.sleep(3.0)  # the transfer ends meanwhile
+    time.sleep(1.0)  # the transfer ends meanwhile (it wrote within ms)
     Path(out).write_text(str(sum(int(np.count_nonzero(memory)) for memory in fresh)))
     os._exit(0)
 
@@ -163,14 +163,16 @@ def test_a_pull_buffer_a_transfer_still_writes_into_outlives_the_close(
 def open_as_the_master_dies_after_the_set_up(config: CacheConfig, master_pid: int, out: str) -> None:
     """Open a cache whose client's set-up succeeds and whose master dies right after it, before
     the health check (a real Mooncake client, killing the real master from its `health_check`);
-    write how long the open took."""
+    write how long the open took. Mooncake's health check may still answer 0 right after the
+    master's death (seen once in two runs): a failure is then answered for it, as the check
+    would a moment later."""
     import mooncake.store
 
     class DiesAfterTheSetUp(mooncake.store.MooncakeDistributedStore):  # type: ignore[misc]
         def health_check(self) -> int:
             os.kill(master_pid, signal.SIGKILL)
             time.sleep(0.2)  # its port closed
-            return int(super().health_check())
+            return int(super().health_check()) or -1
 
     mooncake.store.MooncakeDistributedStore = DiesAfterTheSetUp
     started = time.monotonic()
@@ -242,7 +244,7 @@ def test_a_pull_started_while_the_cache_closes_never_writes_memory_the_close_fre
         for name in fillers:
             other.put(key_of(name), expected_value(name, SIZE))
         os.kill(node_a, signal.SIGCONT)  # a transfer still running goes on
-        time.sleep(3.0)
+        time.sleep(1.0)  # a transfer still running writes within ms
         present = {name: other.get(key_of(name)) for name in fillers[-3:]}
         assert all(value is not None for value in present.values()), "an entry was dropped"
         for name, value in present.items():
@@ -295,7 +297,7 @@ def test_a_close_after_a_settled_set_aside_does_not_wait_on_a_stopped_master(
 
 def close_while_a_batch_pull_makes_its_buffer(config: CacheConfig, out: str) -> None:
     """Node B: a batch pull whose first pull buffer is made while another thread closes the cache
-    (the buffer waits up to 3 s for the close to end); write what the pull got."""
+    (the buffer waits up to 1.5 s for the close to end); write what the pull got."""
     cache = EmbeddingCache(config)
     pull_buffer = Staging.pull_buffer
     closer = threading.Thread(target=cache.close)
@@ -303,7 +305,7 @@ def close_while_a_batch_pull_makes_its_buffer(config: CacheConfig, out: str) -> 
     def once_closed(staging: Staging, size: int) -> np.ndarray | None:
         if not closer.is_alive() and closer.ident is None:
             closer.start()
-            closer.join(3.0)  # the close is over by then unless it waits for this call
+            closer.join(1.5)  # the close is over by then unless it waits for this call
         return pull_buffer(staging, size)
 
     Staging.pull_buffer = once_closed  # type: ignore[method-assign]
