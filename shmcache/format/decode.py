@@ -82,9 +82,8 @@ class ParsedValue:
     single: ArraySpec | None  # the array that is the value itself (a tensor or ndarray value)
 
 
-_INTEGERS: dict[int, np.dtype[Any]] = {
-    size: np.dtype(f"i{size}") for size in (1, 2, 4, 8)
-}  # torch < 2.3: no uint16+
+# what a dtype numpy lacks is read as, by its size: signed (torch < 2.3 makes no uint16 tensor)
+_INTEGERS: dict[int, np.dtype[Any]] = {size: np.dtype(f"i{size}") for size in (1, 2, 4, 8)}
 _MAX_SPAN = 1 << 62  # bytes an array's nonzero dimensions may span (its strides then fit in 64 bits)
 _parsed_heads: dict[bytes, ParsedValue] = {}
 _PARSED_HEADS_MAX = 4096

@@ -7,7 +7,7 @@ after the call returned, so its reservation is *set aside* (`NodeIndex.set_aside
 index, its extent kept by one pin of ours) and freed when the call that outlived its wait answers
 that nothing writes there any more (the object arrived, or no transfer ran); else at the detach,
 which the store's close delays (up to `DRAIN_S`) while a transfer into node memory still runs.
-None starts once the close began (`closing`).
+No transfer into node memory starts once the close began (`closing`).
 Without a spare pin it stays reserved (ours) until close.
 An exception between the call and the reading of its answer (a KeyboardInterrupt) leaves the
 transfer unread, and the caller's exception path (`interrupted`) sets it aside before it may give
