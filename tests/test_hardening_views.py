@@ -72,6 +72,7 @@ def _prefix() -> HiddenStatePrefix:
 IN_PLACE: dict[str, tuple[Any, Any]] = {  # what is stored, and a change made to the value a get returned
     "tensor.unsqueeze_": (torch.arange(6.0).reshape(2, 3), lambda v: v.unsqueeze_(0)),
     "tensor.t_": (torch.arange(9.0).reshape(3, 3), lambda v: v.t_()),  # same shape, other strides
+    "bfloat16.t_": (torch.arange(9.0).reshape(3, 3).to(torch.bfloat16), lambda v: v.t_()),  # over DLPack
     "tensor.data": (torch.arange(6.0), lambda v: setattr(v, "data", v.data.view(torch.int32))),
     "array.shape": (np.arange(6.0).reshape(2, 3), lambda v: setattr(v, "shape", (3, 2))),
     "array.dtype": (np.arange(6.0), lambda v: setattr(v, "dtype", np.int64)),
@@ -137,13 +138,20 @@ def test_debug_mode_names_a_written_view_and_keeps_the_nodes_copy(config: CacheC
         assert cache.stats()["corrupt_records"] == 0
 
 
-def test_a_dead_views_mapping_is_reset_and_reused_then_removed_at_detach(config: CacheConfig) -> None:
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # numpy's twin; over DLPack
+
+
+@DTYPES
+def test_a_dead_views_mapping_is_reset_and_reused_then_removed_at_detach(
+    config: CacheConfig, dtype: torch.dtype
+) -> None:
     """A view's mapping lives while any array derived from it does; then it is reset (its written
     pages dropped) and kept for the next view of the same entry, which reads the node's copy
     through the same addresses; the detach unmaps it."""
     path = f"/dev/shm/shmcache.{os.geteuid()}.{config.namespace}.arena"
+    ones = ONES.to(dtype)
     cache = EmbeddingCache(config)
-    cache.put(_key("tensor"), ONES)
+    cache.put(_key("tensor"), ones)
     before = _mappings(path)
     view = cache.get(_key("tensor"))
     row = view[1:]  # derived: keeps the mapping alive
@@ -156,9 +164,9 @@ def test_a_dead_views_mapping_is_reset_and_reused_then_removed_at_detach(config:
     del row
     gc.collect()
     again = cache.get(_key("tensor"))  # the same pages: the kept mapping, reset
-    assert again.data_ptr() == address and torch.equal(again, ONES) and _mappings(path) == before + 1
+    assert again.data_ptr() == address and torch.equal(again, ones) and _mappings(path) == before + 1
     cache.close()  # a view alive at close stays valid; the detach waits for it
-    assert torch.equal(again, ONES)
+    assert again.dtype == dtype and torch.equal(again, ones)
     del again
     gc.collect()
     wait_for(lambda: _mappings(path) == before, what="the mapping unmapped at detach")
@@ -188,7 +196,10 @@ def read_many(config: CacheConfig, names: list[str], results: Any) -> None:
         results.put([bool((v == i + 1).all()) for i, v in enumerate(values)])
 
 
-def test_get_many_maps_a_batch_once_and_each_view_stays_its_own(config: CacheConfig) -> None:
+@DTYPES
+def test_get_many_maps_a_batch_once_and_each_view_stays_its_own(
+    config: CacheConfig, dtype: torch.dtype
+) -> None:
     """`get_many`'s views share one copy-on-write mapping; a write through one of them reaches
     neither its neighbours, nor the same entry asked for twice, nor the node's copy; each view's
     death gives its own pin back while the others live; the mapping goes with the last one."""
@@ -196,9 +207,10 @@ def test_get_many_maps_a_batch_once_and_each_view_stays_its_own(config: CacheCon
     names = [f"batch-{i}" for i in range(16)]
     with EmbeddingCache(config) as cache:
         for i, name in enumerate(names):
-            cache.put(_key(name), torch.full((4096,), float(i + 1)))
+            cache.put(_key(name), torch.full((4096,), float(i + 1), dtype=dtype))
         node, before = cache._node, _mappings(path)
         values = cache.get_many([_key(name) for name in [*names, names[3]]])
+        assert all(v.dtype == dtype for v in values)
         assert _mappings(path) == before + 2  # one for the batch, one for the entry asked for twice
         values[3].add_(100)  # torch tensors are writable: the write is this mapping's own
         assert float(values[3][0]) == 104.0 and float(values[16][0]) == 4.0  # the twin is its own

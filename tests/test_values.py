@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import struct
+import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -132,6 +134,73 @@ def test_the_native_array_step_checks_every_bound_and_keeps_its_buffer() -> None
     ]:
         with pytest.raises(TypeError):
             _arrays.array(*bad)
+
+
+def test_a_tensor_made_over_dlpack_keeps_its_buffer_while_it_or_a_view_of_it_lives() -> None:
+    """A bfloat16 tensor handed to torch over DLPack is zero-copy over the buffer (a write reaches
+    it), holds the buffer until the tensor and every tensor derived from it are gone (then, and
+    in a thread of its own, lets it go), and a capsule never taken over lets it go too."""
+    buffer = np.zeros(64, dtype=np.uint8)
+    alive = weakref.ref(buffer)
+    bf16 = tuple(_arrays.dltype(torch.empty(1, dtype=torch.bfloat16).__dlpack__()))
+    tensor = torch.from_dlpack(_arrays.dlpack(buffer, 8, bf16, (2, 3)))
+    assert tensor.dtype == torch.bfloat16 and tensor.shape == (2, 3) and tensor.stride() == (3, 1)
+    assert tensor.data_ptr() == buffer.ctypes.data + 8
+    tensor[1, 2] = 1.0  # bfloat16 1.0 is 0x3F80, little-endian
+    assert buffer[8 + 10 : 8 + 12].tolist() == [0x80, 0x3F]
+    row, buffer = tensor[1], None
+    del tensor
+    assert alive() is not None  # the derived row still holds it
+    holder = [row]
+    del row
+    done = threading.Thread(target=holder.clear)  # the last reference dies in another thread
+    done.start()
+    done.join()
+    assert alive() is None
+    buffer = np.zeros(64, dtype=np.uint8)
+    alive = weakref.ref(buffer)
+    capsule, buffer = _arrays.dlpack(buffer, 0, bf16, (4,)), None
+    assert alive() is not None
+    del capsule
+    assert alive() is None
+
+
+def test_the_native_dlpack_step_checks_every_bound() -> None:
+    buffer = np.zeros(64, dtype=np.uint8)
+    bf16 = tuple(_arrays.dltype(torch.empty(1, dtype=torch.bfloat16).__dlpack__()))
+    for offset, shape in [
+        (57, (4,)),
+        (-1, (1,)),
+        (65, (0,)),
+        (0, (33,)),
+        (0, (-1,)),
+        (0, (1 << 40, 1 << 40)),
+    ]:
+        with pytest.raises(ValueError):
+            _arrays.dlpack(buffer, offset, bf16, shape)
+    for dltype in [(4, 0, 1), (4, 4, 1), (256, 16, 1), (4, 16, 0)]:  # no bits, half a byte, out of range
+        with pytest.raises(ValueError, match="whole bytes"):
+            _arrays.dlpack(buffer, 0, dltype, (1,))
+    read_only = buffer.copy()
+    read_only.flags.writeable = False
+    for bad in [
+        (buffer.reshape(8, 8), 0, bf16, (1,)),  # not 1-D
+        (buffer[::2], 0, bf16, (1,)),  # not contiguous
+        (buffer.view(np.int8), 0, bf16, (1,)),  # not uint8
+        (read_only, 0, bf16, (1,)),  # read-only: a torch tensor cannot be
+        (bytes(8), 0, bf16, (1,)),  # not an array
+        (buffer, 0, [4, 16, 1], (1,)),  # not a tuple
+        (buffer, 0, (4, 16), (1,)),  # not three ints
+        (buffer, 0, bf16, [1]),  # not a tuple
+        (buffer, 0, bf16, (1,) * 33),  # too many dimensions
+    ]:
+        with pytest.raises(TypeError):
+            _arrays.dlpack(*bad)
+    taken = _arrays.dlpack(buffer, 0, bf16, (1,))
+    torch.from_dlpack(taken)
+    for not_a_fresh_capsule in (taken, buffer):  # taken over ("used_dltensor"), not a capsule
+        with pytest.raises(ValueError):
+            _arrays.dltype(not_a_fresh_capsule)
 
 
 def test_unsupported_values_raise_typed_errors() -> None:

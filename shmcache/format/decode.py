@@ -17,6 +17,7 @@ import numpy as np
 
 from shmcache.errors import CorruptValue, UnsupportedValue
 from shmcache.format import _arrays
+from shmcache.format.reading import DLType, tensor_reading
 from shmcache.format.values import (
     ALIGNMENT,
     DESCRIPTOR,
@@ -64,9 +65,10 @@ class ArraySpec:
     offset: int
     nbytes: int
     name: str
-    np_dtype: np.dtype[Any]  # what the elements are read as (`_read_as`)
+    np_dtype: np.dtype[Any] | None  # numpy's dtype of the elements; None: torch has them only
     torch_dtype: Any  # torch.dtype for torch arrays, None for numpy arrays
-    view_as: Any  # the torch dtype a tensor read as `np_dtype` is viewed as; None: no view
+    dlpack: DLType | None  # a torch dtype numpy lacks: the DLPack type its tensor is made as
+    view_as: Any  # the torch dtype that tensor is viewed as (one DLPack lacks); None: no view
     layout: tuple[Any, ...] | None  # a torch array's (shape, strides, dtype) once built; None: numpy
 
 
@@ -82,8 +84,6 @@ class ParsedValue:
     single: ArraySpec | None  # the array that is the value itself (a tensor or ndarray value)
 
 
-# what a dtype numpy lacks is read as, by its size: signed (torch < 2.3 makes no uint16 tensor)
-_INTEGERS: dict[int, np.dtype[Any]] = {size: np.dtype(f"i{size}") for size in (1, 2, 4, 8)}
 _MAX_SPAN = 1 << 62  # bytes an array's nonzero dimensions may span (its strides then fit in 64 bits)
 _parsed_heads: dict[bytes, ParsedValue] = {}
 _PARSED_HEADS_MAX = 4096
@@ -185,13 +185,13 @@ def _spec(lib: int, dtype: str, shape: tuple[int, ...], offset: int, nbytes: int
         span *= max(dim, 1)
     try:
         if lib not in TORCH_LIBS:
-            np_dtype, torch_type, view_as = numpy_dtype(dtype), None, None
-            itemsize = np_dtype.itemsize
+            numpy_type = numpy_dtype(dtype)
+            np_dtype: np.dtype[Any] | None = numpy_type
+            torch_type, dltype, view_as, itemsize = None, None, None, numpy_type.itemsize
         else:
             torch_type = torch_dtype(dtype)
             itemsize = torch_type.itemsize
-            np_dtype, twin = _read_as(dtype, itemsize)
-            view_as = None if twin else torch_type
+            np_dtype, dltype, view_as = tensor_reading(dtype, torch_type)
     except UnsupportedValue as exc:
         raise CorruptValue(str(exc)) from None
     if span * itemsize > _MAX_SPAN:  # a zero dimension beside a huge one: strides would overflow
@@ -199,7 +199,7 @@ def _spec(lib: int, dtype: str, shape: tuple[int, ...], offset: int, nbytes: int
     if count * itemsize != nbytes:
         raise CorruptValue(f"array of {dtype} {list(shape)} does not match its {nbytes} bytes")
     layout = None if torch_type is None else (shape, _contiguous_strides(shape), torch_type)
-    return ArraySpec(lib, dtype, shape, offset, nbytes, name, np_dtype, torch_type, view_as, layout)
+    return ArraySpec(lib, dtype, shape, offset, nbytes, name, np_dtype, torch_type, dltype, view_as, layout)
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -210,22 +210,6 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
         strides.append(step)
         step *= max(dim, 1)
     return tuple(reversed(strides))
-
-
-def _read_as(name: str, itemsize: int) -> tuple[np.dtype[Any], bool]:
-    """(the numpy dtype a torch dtype's elements are read as, whether it is its twin): the numpy
-    dtype of the same name and size, else (bfloat16, float8 & co) the integer of its size, which
-    the tensor made over it is viewed as the torch dtype (1.1 µs a bfloat16 tensor, against
-    3.3 µs read as bytes, viewed and reshaped)."""
-    try:
-        twin = numpy_dtype(name)
-        if twin.itemsize == itemsize:
-            return twin, True
-    except UnsupportedValue:
-        pass
-    if itemsize not in _INTEGERS:
-        raise UnsupportedValue(f"torch dtype {name} has {itemsize}-byte elements and no numpy twin")
-    return _INTEGERS[itemsize], False
 
 
 def as_byte_array(buffer: memoryview | bytes | bytearray | np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
@@ -281,15 +265,20 @@ def materialize(
 
 def _materialize(array: np.ndarray[Any, Any], spec: ArraySpec, copy: bool, base: int) -> Any:
     offset = base + spec.offset
-    if spec.torch_dtype is None:  # a numpy array, read-only unless it is a copy
-        result = _arrays.array(array, offset, spec.np_dtype, spec.shape, False)
+    np_dtype = spec.np_dtype
+    if spec.torch_dtype is None and np_dtype is not None:  # a numpy array, read-only unless a copy
+        result = _arrays.array(array, offset, np_dtype, spec.shape, False)
         return result.copy() if copy else result
     torch = sys.modules["torch"]  # imported: `spec.torch_dtype` is one of its dtypes
     if spec.nbytes == 0:
         return torch.empty(spec.shape, dtype=spec.torch_dtype)
-    tensor = torch.from_numpy(_arrays.array(array, offset, spec.np_dtype, spec.shape, True))
-    if spec.view_as is not None:  # no numpy twin: read as integers of its size
-        tensor = tensor.view(spec.view_as)
+    if np_dtype is not None:  # its numpy twin
+        tensor = torch.from_numpy(_arrays.array(array, offset, np_dtype, spec.shape, True))
+    else:  # a dtype numpy lacks: one DLPack tensor (`tensor_reading`)
+        assert spec.dlpack is not None  # `_spec` gives a torch array one or the other
+        tensor = torch.from_dlpack(_arrays.dlpack(array, offset, spec.dlpack, spec.shape))
+        if spec.view_as is not None:
+            tensor = tensor.view(spec.view_as)
     return tensor.clone() if copy else tensor
 
 
