@@ -17,7 +17,7 @@ import numpy as np
 
 from shmcache.errors import CorruptValue, UnsupportedValue
 from shmcache.format import _arrays
-from shmcache.format.reading import DLType, tensor_reading
+from shmcache.format.reading import Recipe, numpy_recipe, torch_recipe
 from shmcache.format.values import (
     ALIGNMENT,
     DESCRIPTOR,
@@ -65,11 +65,8 @@ class ArraySpec:
     offset: int
     nbytes: int
     name: str
-    np_dtype: np.dtype[Any] | None  # numpy's dtype of the elements; None: torch has them only
     torch_dtype: Any  # torch.dtype for torch arrays, None for numpy arrays
-    dlpack: DLType | None  # a torch dtype numpy lacks: the DLPack type its tensor is made as
-    view_as: Any  # the torch dtype that tensor is viewed as (one DLPack lacks); None: no view
-    layout: tuple[Any, ...] | None  # a torch array's (shape, strides, dtype) once built; None: numpy
+    recipe: Recipe  # how `arrays.c` makes it over the value's bytes
 
 
 @dataclass(frozen=True)
@@ -82,6 +79,7 @@ class ParsedValue:
     total_len: int
     on_device: bool  # any array was on a GPU when it was stored
     single: ArraySpec | None  # the array that is the value itself (a tensor or ndarray value)
+    native: Recipe | None  # `single`'s recipe if it is not a GPU's: a hit's delivery is one native call
 
 
 _MAX_SPAN = 1 << 62  # bytes an array's nonzero dimensions may span (its strides then fit in 64 bits)
@@ -135,7 +133,8 @@ def _parse_head(buffer: memoryview, head: tuple[Any, ...]) -> ParsedValue:
         single = arrays[0]
         if (single.lib in TORCH_LIBS) != (kind == KIND_TENSOR):
             raise CorruptValue("array library does not match the value kind")
-    return ParsedValue(kind, tuple(arrays), meta, total, on_device, single)
+    native = None if single is None or single.lib in DEVICE_LIBS else single.recipe
+    return ParsedValue(kind, tuple(arrays), meta, total, on_device, single, native)
 
 
 def _check_header(head: tuple[Any, ...]) -> None:
@@ -185,31 +184,20 @@ def _spec(lib: int, dtype: str, shape: tuple[int, ...], offset: int, nbytes: int
         span *= max(dim, 1)
     try:
         if lib not in TORCH_LIBS:
-            numpy_type = numpy_dtype(dtype)
-            np_dtype: np.dtype[Any] | None = numpy_type
-            torch_type, dltype, view_as, itemsize = None, None, None, numpy_type.itemsize
+            numpy_type, torch_type = numpy_dtype(dtype), None
+            itemsize = numpy_type.itemsize
+            recipe = numpy_recipe(offset, numpy_type, shape, _ALIASING_BY_TYPE[np.ndarray])
         else:
             torch_type = torch_dtype(dtype)
             itemsize = torch_type.itemsize
-            np_dtype, dltype, view_as = tensor_reading(dtype, torch_type)
+            recipe = torch_recipe(offset, dtype, torch_type, shape, _tensor_aliasing())
     except UnsupportedValue as exc:
         raise CorruptValue(str(exc)) from None
     if span * itemsize > _MAX_SPAN:  # a zero dimension beside a huge one: strides would overflow
         raise CorruptValue(f"array dimensions {list(shape)} out of range")
     if count * itemsize != nbytes:
         raise CorruptValue(f"array of {dtype} {list(shape)} does not match its {nbytes} bytes")
-    layout = None if torch_type is None else (shape, _contiguous_strides(shape), torch_type)
-    return ArraySpec(lib, dtype, shape, offset, nbytes, name, np_dtype, torch_type, dltype, view_as, layout)
-
-
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The element strides of a C-contiguous torch tensor of `shape` (a dimension of 0 counts as 1,
-    as torch counts it)."""
-    strides, step = [], 1
-    for dim in reversed(shape):
-        strides.append(step)
-        step *= max(dim, 1)
-    return tuple(reversed(strides))
+    return ArraySpec(lib, dtype, shape, offset, nbytes, name, torch_type, recipe)
 
 
 def as_byte_array(buffer: memoryview | bytes | bytearray | np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
@@ -264,22 +252,11 @@ def materialize(
 
 
 def _materialize(array: np.ndarray[Any, Any], spec: ArraySpec, copy: bool, base: int) -> Any:
-    offset = base + spec.offset
-    np_dtype = spec.np_dtype
-    if spec.torch_dtype is None and np_dtype is not None:  # a numpy array, read-only unless a copy
-        result = _arrays.array(array, offset, np_dtype, spec.shape, False)
-        return result.copy() if copy else result
-    torch = sys.modules["torch"]  # imported: `spec.torch_dtype` is one of its dtypes
-    if spec.nbytes == 0:
-        return torch.empty(spec.shape, dtype=spec.torch_dtype)
-    if np_dtype is not None:  # its numpy twin
-        tensor = torch.from_numpy(_arrays.array(array, offset, np_dtype, spec.shape, True))
-    else:  # a dtype numpy lacks: one DLPack tensor (`tensor_reading`)
-        assert spec.dlpack is not None  # `_spec` gives a torch array one or the other
-        tensor = torch.from_dlpack(_arrays.dlpack(array, offset, spec.dlpack, spec.shape))
-        if spec.view_as is not None:
-            tensor = tensor.view(spec.view_as)
-    return tensor.clone() if copy else tensor
+    """One array of a value (a numpy array read-only unless a copy)."""
+    value = _arrays.build(array, base, spec.recipe)
+    if not copy:
+        return value
+    return value.copy() if spec.torch_dtype is None else value.clone()
 
 
 def _assemble(parsed: ParsedValue, values: list[Any]) -> Value:
@@ -314,34 +291,20 @@ def _array_signature(array: np.ndarray[Any, Any]) -> tuple[Any, ...]:
     return array.shape, array.strides, array.dtype, array.flags.writeable  # memory: not swappable
 
 
-def _built_array_signature(array: np.ndarray[Any, Any], spec: ArraySpec | None) -> tuple[Any, ...]:
-    return _array_signature(array)
-
-
 def _tensor_signature(tensor: Any) -> tuple[Any, ...]:
     return tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype
 
 
-def _built_tensor_signature(tensor: Any, spec: ArraySpec | None) -> tuple[Any, ...]:
-    if spec is None or spec.layout is None or spec.lib in DEVICE_LIBS:
-        return _tensor_signature(tensor)
-    return (tensor.data_ptr(), *spec.layout)  # what `_materialize` made: contiguous, as `spec` says
-
-
 class Aliasing(NamedTuple):
     """How a repeat hit checks a value of one type returned earlier (`signature`: the memory it
-    points at, its shape, strides and dtype) and makes a new handle of it (`alias`). `built` is
-    `signature` of a value `materialize` just built over `spec` (its single array), read from
-    the spec where it can (cheaper)."""
+    points at, its shape, strides and dtype; `arrays.c` makes the same of a value it delivers)
+    and makes a new handle of it (`alias`)."""
 
     signature: Callable[[Any], tuple[Any, ...]]
     alias: Callable[[Any], Value]
-    built: Callable[[Any, ArraySpec | None], tuple[Any, ...]]
 
 
-_ALIASING_BY_TYPE: dict[type, Aliasing] = {
-    np.ndarray: Aliasing(_array_signature, np.ndarray.view, _built_array_signature)
-}
+_ALIASING_BY_TYPE: dict[type, Aliasing] = {np.ndarray: Aliasing(_array_signature, np.ndarray.view)}
 
 
 def aliasing(value: Value) -> Aliasing | None:
@@ -354,9 +317,16 @@ def aliasing(value: Value) -> Aliasing | None:
         torch = sys.modules.get("torch")
         if torch is None or type(value) is not torch.Tensor:
             return None
-        found = _ALIASING_BY_TYPE[torch.Tensor] = Aliasing(
-            _tensor_signature, torch.Tensor.detach, _built_tensor_signature
-        )
+        found = _tensor_aliasing()
+    return found
+
+
+def _tensor_aliasing() -> Aliasing:
+    """`aliasing` of a torch tensor (torch is imported)."""
+    torch = sys.modules["torch"]
+    found = _ALIASING_BY_TYPE.get(torch.Tensor)
+    if found is None:
+        found = _ALIASING_BY_TYPE[torch.Tensor] = Aliasing(_tensor_signature, torch.Tensor.detach)
     return found
 
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from shmcache.config import CacheConfig
 from shmcache.errors import CorruptValue, PinLimitReached, ViewMutated
-from shmcache.format import decode, entry
+from shmcache.format import _arrays, decode, entry
 from shmcache.format.values import Value
 from shmcache.gpu.record import GpuRecord
 from shmcache.gpu.side import DeviceSide
@@ -43,7 +43,8 @@ REMEMBERED: Final = 4096  # dead views' mappings a process remembers (newest fir
 
 class _Mapping(NamedTuple):
     """This process's live zero-copy mapping of one entry and the value returned over it, which
-    repeat hits alias while it is alive and unchanged (a NamedTuple: made on every delivery)."""
+    repeat hits alias while it is alive and unchanged (a NamedTuple: made on every delivery, by
+    position in `arrays.c`'s `deliver` for a one-array value)."""
 
     sealed: SealedEntry  # the entry whose head was parsed: (slot, gen) and where it lies in the arena
     holder: weakref.ref[np.ndarray]  # the entry's bytes; alive while any returned view is
@@ -237,7 +238,7 @@ class Views:
         try:
             if holder is None:
                 holder = self._view(sealed)
-            value, parsed, aliased = self._build(key, needle, holder, sealed, checked)
+            value, mapping = self._build(key, needle, holder, sealed, checked)
         except CorruptValue as exc:
             node.count(Counter.CORRUPT_RECORDS)
             log.warning("shmcache: dropping entry %r: %s", key, str(exc))
@@ -249,16 +250,11 @@ class Views:
             raise
         if request_id is not None:
             self._requests.add(request_id, slot, gen)
-        if self._clone:
+        if mapping is None:  # clone mode
             if request_id is None:
                 node.release([(slot, gen)])  # the pin only covered the copy
             return value
-        record = GpuRecord.from_attachment(sealed.attachment) if aliased else None
-        ops = decode.aliasing(value)
-        template, signature = (
-            (None, ()) if ops is None else (weakref.ref(value), ops.built(value, parsed.single))
-        )
-        kept[needle] = _Mapping(sealed, weakref.ref(holder), parsed, template, signature, ops, record)
+        kept[needle] = mapping
         return value
 
     def _keep(self, kept: dict[bytes, _Mapping]) -> None:
@@ -283,8 +279,9 @@ class Views:
         holder: np.ndarray,
         sealed: SealedEntry,
         checked: decode.ParsedValue | None,
-    ) -> tuple[Value, decode.ParsedValue, bool]:
-        """(value, its parsed format, whether it aliases device memory of the exporter)."""
+    ) -> tuple[Value, _Mapping | None]:
+        """(value, the mapping's record; None in clone mode). A one-array value is made with its
+        record in one native call."""
         # the head checked at the last delivery of `needle` here, if of this very (slot, gen, extent,
         # attachment): a sealed entry never changes, a new reservation is a new gen (a repair's too)
         parsed = checked
@@ -297,13 +294,12 @@ class Views:
             parsed = decode.parse(body)
         if self._check_views and not entry.checksum_matches(holder.data):
             raise CorruptValue("the node's copy does not match its checksum")
-        if parsed.on_device:
-            on_device = self._device.materialize(holder, sealed, parsed, copy=self._clone)
-            if on_device is not None:
-                value, aliased = on_device
-                return value, parsed, aliased
-        value = decode.materialize(holder, parsed, self._clone, entry.ENTRY_HEADER_SIZE)
-        return value, parsed, False
+        if parsed.native is not None and not self._clone:
+            value, mapping = _arrays.deliver(
+                holder, entry.ENTRY_HEADER_SIZE, parsed.native, _Mapping, sealed, parsed
+            )
+            return value, mapping
+        return _made_in_python(self._device, self._clone, holder, sealed, parsed)
 
     def _check_unmodified(self, needle: bytes, key: EmbeddingCacheKey, holder: np.ndarray) -> None:
         """(Debug mode) `ViewMutated` if a view this process was given of `key` was written to
@@ -353,3 +349,18 @@ class Views:
         if count:
             self._node.count(Counter.HITS_PROCESS)
         return True
+
+
+def _made_in_python(
+    device: DeviceSide, clone: bool, holder: np.ndarray, sealed: SealedEntry, parsed: decode.ParsedValue
+) -> tuple[Value, _Mapping | None]:
+    """`Views._build` of a value not delivered in one native call: any value in clone mode (a
+    copy: no record), a value of several arrays or one born on a GPU."""
+    on_device = device.materialize(holder, sealed, parsed, copy=clone) if parsed.on_device else None
+    value, aliased = on_device or (decode.materialize(holder, parsed, clone, entry.ENTRY_HEADER_SIZE), False)
+    if clone:
+        return value, None
+    ops = decode.aliasing(value)
+    template, signature = (None, ()) if ops is None else (weakref.ref(value), ops.signature(value))
+    record = GpuRecord.from_attachment(sealed.attachment) if aliased else None
+    return value, _Mapping(sealed, weakref.ref(holder), parsed, template, signature, ops, record)
