@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from shmcache import CacheClosed, CacheConfig, EmbeddingCache
-from shmcache.format import decode
+from shmcache.format import _arrays
 from shmcache.kernel.lockfile import bootstrap_lock
 from shmcache.kernel.namespace import list_namespaces, object_names
 from tests.helpers import kernel_objects, wait_for
@@ -130,7 +130,7 @@ def test_a_delivery_failing_after_close_finishes_the_detach(
         assert kernel_objects() == during  # that view defers the detach
         raise MemoryError("building the value failed")
 
-    monkeypatch.setattr(decode, "materialize", close_then_fail)
+    monkeypatch.setattr(_arrays, "deliver", close_then_fail)  # the step that builds the value
     with pytest.raises(MemoryError):
         reader.get(key_of("x"))
     assert kernel_objects() == before  # detached by the failed delivery itself: the last one out
@@ -153,7 +153,7 @@ def test_a_detach_failing_there_leaves_the_delivery_its_own_error(
         reader.close()
         raise MemoryError("building the value failed")
 
-    monkeypatch.setattr(decode, "materialize", close_then_fail)
+    monkeypatch.setattr(_arrays, "deliver", close_then_fail)  # the step that builds the value
     with (
         bootstrap_lock(object_names(config.namespace), config.mode, 10.0),
         caplog.at_level(logging.WARNING, logger="shmcache"),
