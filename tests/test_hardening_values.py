@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from shmcache import CacheConfig, EmbeddingCache, EmbeddingCacheKey, HiddenStatePrefix
-from shmcache.process import views
+from shmcache.process import mappings
 from shmcache.testing import sample_preprocessing
 from tests.helpers import spawn
 
@@ -136,7 +136,7 @@ def test_a_process_remembers_a_bounded_number_of_dead_views_and_every_live_one(
     """What a process keeps of a delivered entry after its views died (for a cheap re-delivery)
     is bounded: a process that meets ever new keys does not grow; a live view is never forgotten
     (its key stays a repeat hit)."""
-    monkeypatch.setattr(views, "REMEMBERED", 8)
+    monkeypatch.setattr(mappings, "REMEMBERED", 8)
     with EmbeddingCache(config) as cache:
         keys = [_raw(f"many-{i}") for i in range(60)]
         for key in keys:

@@ -19,6 +19,7 @@ import torch
 
 from shmcache import CacheConfig, EmbeddingCache, EmbeddingCacheKey, HiddenStatePrefix, ViewMutated
 from shmcache.node.audit import audit
+from shmcache.process.mappings import Mappings
 from shmcache.process.views import Views
 from shmcache.testing import sample_preprocessing
 from tests.helpers import InterruptAtLine, spawn, wait_for
@@ -236,22 +237,25 @@ def test_get_many_maps_a_batch_once_and_each_view_stays_its_own(
         assert cache.stats()["corrupt_records"] == 0
 
 
+@pytest.mark.parametrize("known", [False, True], ids=["first-deliveries", "known-heads-in-one-call"])
 def test_an_interrupt_anywhere_after_a_batchs_views_are_made_leaks_no_pin_and_releases_none_twice(
-    config: CacheConfig,
+    config: CacheConfig, known: bool
 ) -> None:
     """A SIGINT between any two lines of a `get_many` from the moment its views exist (each armed
-    in the call that made it) through every delivery, a failed delivery's give-back and `_keep`
-    leaves no pin behind once the values are gone and releases none twice (a request's pins on
-    the same entries stay), and a closed cache still waits for a live view before it
-    detaches. Before the views were armed as they are made, a signal on entry of `_keep` leaked
-    the batch's pins until the process detached."""
-    source, first = inspect.getsourcelines(Views._keep)
+    in the call that made it) through every delivery (one by one, or all in one native call once
+    the process checked every head before), a failed delivery's give-back and `keep` leaves no
+    pin behind once the values are gone and releases none twice (a request's pins on the same
+    entries stay), and a closed cache still waits for a live view before it detaches. Before
+    the views were armed as they are made, a signal on entry of `keep` leaked the batch's pins
+    until the process detached."""
+    source, first = inspect.getsourcelines(Mappings.keep)
     lock_line = first + next(i for i, text in enumerate(source) if "with self._lock:" in text)
     traced = {
         Views.lookup_many.__code__: "holders",
+        Views._deliver_known.__code__: None,
         Views._deliver.__code__: None,
         Views._give_back.__code__: None,
-        Views._keep.__code__: None,
+        Mappings.keep.__code__: None,
     }
     names = ["a", "b", "c"]
     with EmbeddingCache(config) as keeper:
@@ -261,7 +265,12 @@ def test_an_interrupt_anywhere_after_a_batchs_views_are_made_leaks_no_pin_and_re
             cache.put(_key(name), torch.full((4096,), len(name), dtype=torch.uint8))
             assert cache.hold(_key(name), "held")  # a pin a second release would take away
         at = 0
-        while True:  # up to `_keep`'s lock (the line event a block's exit reports is no place a signal lands)
+        while True:  # up to `keep`'s lock (the line event a block's exit reports is no place a signal lands)
+            # each round starts alike: no head checked before, or every one (one native call)
+            cache._views.forget()
+            if known:
+                assert all(v is not None for v in cache.get_many([_key(name) for name in names]))
+                gc.collect()
             interrupter = InterruptAtLine(at, traced)
             values = None
             with pytest.raises(KeyboardInterrupt), interrupter.tracing():

@@ -21,7 +21,7 @@ from shmcache.format.decode import aliasing, as_byte_array, decode, parse
 from shmcache.format.reading import DLType, Recipe, numpy_recipe
 from shmcache.format.values import ALIGNMENT, DESCRIPTOR, DIM, HEADER, encode, plan
 from shmcache.keys.dtypes import _torch_dtypes
-from shmcache.process.views import _Mapping
+from shmcache.process.mappings import Mapping
 
 
 def _bits(t: torch.Tensor) -> bytes:
@@ -51,7 +51,7 @@ def test_every_torch_dtype_round_trips_bit_identically(
         assert _bits(out) == _bits(value)  # NaN payloads and -0.0 included
         parsed = parse(memoryview(encoded))  # a hit's delivery: the same value, its own signature
         assert parsed.native is not None
-        delivered, record = _arrays.deliver(as_byte_array(encoded), 0, parsed.native, _Mapping, None, parsed)
+        delivered, record = _arrays.deliver(as_byte_array(encoded), 0, parsed.native, Mapping, None, parsed)
         ops = aliasing(delivered)
         assert (
             ops is not None
@@ -217,6 +217,26 @@ def test_a_tensor_made_over_dlpack_alive_at_exit_lets_its_buffer_go() -> None:
     assert done.stdout.strip() == "released"
 
 
+def test_a_batchs_native_delivery_is_all_or_none() -> None:
+    """`deliver_many` answers every hit in order, or raises having kept nothing: a value made
+    before the failing one is dropped, no buffer stays referenced."""
+    buffers = [np.full(64, i, dtype=np.uint8) for i in range(3)]
+    good = numpy_recipe(0, np.dtype(np.uint8), (4,), None)
+    made = _arrays.deliver_many(buffers, 0, [good] * 3, Mapping, [0, 1, 2], [None] * 3)
+    assert [int(value[0]) for value, _ in made] == [0, 1, 2]
+    assert [record.sealed for _, record in made] == [0, 1, 2]
+    del made
+    counts = [sys.getrefcount(buffer) for buffer in buffers]
+    failing = good._replace(shape=(65,))  # overruns its buffer
+    with pytest.raises(ValueError, match="overrun"):
+        _arrays.deliver_many(buffers, 0, [good, good, failing], Mapping, [0, 1, 2], [None] * 3)
+    assert [sys.getrefcount(buffer) for buffer in buffers] == counts
+    with pytest.raises(ValueError, match="differ in length"):
+        _arrays.deliver_many(buffers, 0, [good] * 2, Mapping, [0, 1, 2], [None] * 3)
+    with pytest.raises(TypeError, match="lists"):
+        _arrays.deliver_many(tuple(buffers), 0, [good] * 3, Mapping, [0, 1, 2], [None] * 3)  # type: ignore[arg-type]
+
+
 def _refuse(capsule: object) -> None:
     raise RuntimeError("refused")
 
@@ -264,8 +284,8 @@ def test_a_hits_native_delivery_records_what_a_repeat_hit_checks(value: object) 
     buffer = as_byte_array(encode(value))
     parsed = parse(buffer.data)
     assert parsed.native is not None
-    delivered, record = _arrays.deliver(buffer, 0, parsed.native, _Mapping, "sealed", parsed)
-    assert type(record) is _Mapping and record.sealed == "sealed" and record.parsed is parsed
+    delivered, record = _arrays.deliver(buffer, 0, parsed.native, Mapping, "sealed", parsed)
+    assert type(record) is Mapping and record.sealed == "sealed" and record.parsed is parsed
     assert record.holder() is buffer and record.template() is delivered and record.aliases is None
     ops = aliasing(delivered)
     assert record.aliasing is ops is not None and record.signature == ops.signature(delivered)

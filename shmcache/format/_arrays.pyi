@@ -24,5 +24,17 @@ def deliver(
     weakref(buffer), parsed, weakref(value), signature, recipe.aliasing, None)`, the signature
     being what `recipe.aliasing.signature` reads from the value as returned."""
 
+def deliver_many(
+    buffers: list[np.ndarray[Any, np.dtype[np.uint8]]],
+    base: int,
+    recipes: list[Recipe | None],
+    record_type: type[tuple[Any, ...]],
+    sealeds: list[Any],
+    parseds: list[Any],
+    /,
+) -> list[tuple[Any, Any]]:
+    """`deliver` of each hit of a batch (four lists of one length), as (value, record) pairs in
+    their order; all or none (`ValueError` if the lists differ in length)."""
+
 def dltype(capsule: Any, /) -> tuple[int, int, int]:
     """(code, bits, lanes) of the tensor in a "dltensor" capsule not yet taken over."""

@@ -343,34 +343,31 @@ static PyObject *signature_of(PyObject *value, PyObject *recipe) {
     return signature;
 }
 
-/* deliver(buffer, base, recipe, record_type, sealed, parsed): (value, record) of a hit (see the top
- * of this file); `record_type` is a tuple subclass of 7 fields. */
-static PyObject *deliver(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 6) {
-        PyErr_Format(PyExc_TypeError, "deliver(buffer, base, recipe, record_type, sealed, parsed) takes 6 arguments, got %zd",
-                     nargs);
+/* `record_type` if it is a tuple subclass; NULL with TypeError otherwise. */
+static PyTypeObject *record_type_of(PyObject *type) {
+    if (!PyType_Check(type) || !PyType_IsSubtype((PyTypeObject *)type, &PyTuple_Type)) {
+        PyErr_SetString(PyExc_TypeError, "record_type must be a tuple subclass");
         return NULL;
     }
-    PyTypeObject *record_type = (PyTypeObject *)args[3];
-    if (!PyType_Check(args[3]) || !PyType_IsSubtype(record_type, &PyTuple_Type)) {
-        PyErr_SetString(PyExc_TypeError, "deliver: record_type must be a tuple subclass");
-        return NULL;
-    }
-    PyObject *value = make(args[0], args[1], args[2]);
+    return (PyTypeObject *)type;
+}
+
+/* (value, record) of one hit (see the top of this file); `make` checks the recipe first. */
+static PyObject *deliver_one(PyObject *buffer, PyObject *base, PyObject *recipe, PyTypeObject *record_type,
+                             PyObject *sealed, PyObject *parsed) {
+    PyObject *value = make(buffer, base, recipe);
     if (value == NULL) {
         return NULL;
     }
-    PyObject *signature = signature_of(value, args[2]);
-    PyObject *holder = PyWeakref_NewRef(args[0], NULL), *template = PyWeakref_NewRef(value, NULL);
+    PyObject *signature = signature_of(value, recipe);
+    PyObject *holder = PyWeakref_NewRef(buffer, NULL), *template = PyWeakref_NewRef(value, NULL);
     PyObject *record = NULL, *out = NULL;
     if (signature != NULL && holder != NULL && template != NULL) {
         record = record_type->tp_alloc(record_type, 7);
     }
     if (record != NULL) { /* each item's reference is the record's from here on */
-        PyObject *items[7] = {Py_NewRef(args[4]), holder,
-                              Py_NewRef(args[5]), template,
-                              signature, Py_NewRef(PyTuple_GET_ITEM(args[2], R_ALIASING)),
-                              Py_NewRef(Py_None)};
+        PyObject *items[7] = {Py_NewRef(sealed), holder,    Py_NewRef(parsed), template,
+                              signature,         Py_NewRef(PyTuple_GET_ITEM(recipe, R_ALIASING)), Py_NewRef(Py_None)};
         for (int i = 0; i < 7; i++) {
             PyTuple_SET_ITEM(record, i, items[i]);
         }
@@ -382,6 +379,62 @@ static PyObject *deliver(PyObject *Py_UNUSED(module), PyObject *const *args, Py_
     Py_XDECREF(holder);
     Py_XDECREF(template);
     Py_DECREF(value);
+    return out;
+}
+
+/* deliver(buffer, base, recipe, record_type, sealed, parsed): (value, record) of a hit (see the top
+ * of this file); `record_type` is a tuple subclass of 7 fields. */
+static PyObject *deliver(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6) {
+        PyErr_Format(PyExc_TypeError, "deliver(buffer, base, recipe, record_type, sealed, parsed) takes 6 arguments, got %zd",
+                     nargs);
+        return NULL;
+    }
+    PyTypeObject *record_type = record_type_of(args[3]);
+    if (record_type == NULL) {
+        return NULL;
+    }
+    return deliver_one(args[0], args[1], args[2], record_type, args[4], args[5]);
+}
+
+/* deliver_many(buffers, base, recipes, record_type, sealeds, parseds): `deliver` of each hit of a
+ * batch (four lists of one length), as a list of (value, record) pairs in their order; all or none:
+ * on a failure the values already made are dropped (the caller holds their buffers: no buffer
+ * dies here). */
+static PyObject *deliver_many(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6) {
+        PyErr_Format(PyExc_TypeError,
+                     "deliver_many(buffers, base, recipes, record_type, sealeds, parseds) takes 6 arguments, got %zd",
+                     nargs);
+        return NULL;
+    }
+    PyTypeObject *record_type = record_type_of(args[3]);
+    if (record_type == NULL) {
+        return NULL;
+    }
+    PyObject *buffers = args[0], *recipes = args[2], *sealeds = args[4], *parseds = args[5];
+    if (!PyList_Check(buffers) || !PyList_Check(recipes) || !PyList_Check(sealeds) || !PyList_Check(parseds)) {
+        PyErr_SetString(PyExc_TypeError, "deliver_many: buffers, recipes, sealeds and parseds must be lists");
+        return NULL;
+    }
+    Py_ssize_t count = PyList_GET_SIZE(buffers);
+    if (PyList_GET_SIZE(recipes) != count || PyList_GET_SIZE(sealeds) != count || PyList_GET_SIZE(parseds) != count) {
+        PyErr_SetString(PyExc_ValueError, "deliver_many: the four lists differ in length");
+        return NULL;
+    }
+    PyObject *out = PyList_New(count);
+    if (out == NULL) {
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *pair = deliver_one(PyList_GET_ITEM(buffers, i), args[1], PyList_GET_ITEM(recipes, i), record_type,
+                                     PyList_GET_ITEM(sealeds, i), PyList_GET_ITEM(parseds, i));
+        if (pair == NULL) {
+            Py_DECREF(out); /* its unset items are NULL: the list lets them be */
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, pair);
+    }
     return out;
 }
 
@@ -403,6 +456,9 @@ static PyMethodDef arrays_methods[] = {
      "deliver(buffer, base, recipe, record_type, sealed, parsed): (value, record) of a hit of a one-array value: "
      "the value as build makes it, and record_type(sealed, weakref(buffer), parsed, weakref(value), signature, "
      "recipe.aliasing, None)."},
+    {"deliver_many", (PyCFunction)(void (*)(void))deliver_many, METH_FASTCALL,
+     "deliver_many(buffers, base, recipes, record_type, sealeds, parseds): deliver of each hit of a batch (four "
+     "lists of one length), as a list of (value, record) pairs; all or none."},
     {"dltype", dltype, METH_O, "dltype(capsule): (code, bits, lanes) of the tensor in a 'dltensor' capsule."},
     {NULL, NULL, 0, NULL},
 };

@@ -1,58 +1,37 @@
-"""Views: turning a pinned entry into the value returned to the caller, and repeat hits.
+"""Views: turning a pinned entry into the value returned to the caller.
 
-Per process there is one live mapping per entry: a holder array made straight from the arena
-mapping (every returned array derives from it, so its mapping is given back only after the last
-view dies, and then enqueues the release of the view pin) and the parsed value format. A repeat
-hit of the same key reuses it without a lock after a lock-free check that (slot, gen) is still
-sealed and unexpired. After the views of an entry died, the parsed head stays: delivering that very
-entry (slot, gen) again skips the head check and the parse. The newest `REMEMBERED` such dead
-mappings are kept (live ones always), so a process that sees ever new keys holds bounded memory.
+A delivery maps the entry's bytes copy-on-write (`kernel/cowmap.py`), checks its head (once per
+entry and process: the mapping's record remembers it, `mappings.py`) and builds the value over
+them; a one-array value, and a batch of them whose heads were checked before, in one native call
+(`format/arrays.c`). Repeat hits of a live view are `repeats.py`'s.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
-import weakref
 from collections.abc import Sequence
-from typing import Any, Final, NamedTuple
 
 import numpy as np
 
 from shmcache.config import CacheConfig
-from shmcache.errors import CorruptValue, PinLimitReached, ViewMutated
+from shmcache.errors import CorruptValue, PinLimitReached
 from shmcache.format import _arrays, decode, entry
 from shmcache.format.values import Value
-from shmcache.gpu.record import GpuRecord
 from shmcache.gpu.side import DeviceSide
 from shmcache.kernel.namespace import Segments
 from shmcache.keys.key import EmbeddingCacheKey
 from shmcache.node.index import NodeIndex
 from shmcache.node.layout import Counter, needle_of
 from shmcache.node.slots import SealedEntry
+from shmcache.process.mappings import Mapping, Mappings, made_in_python
 from shmcache.process.releases import Releases
+from shmcache.process.repeats import RepeatHits
 from shmcache.process.requests import RequestRefs
 from shmcache.process.reservation import RequestId
 
 __all__ = ["Views"]
 
 log = logging.getLogger("shmcache")
-
-REMEMBERED: Final = 4096  # dead views' mappings a process remembers (newest first) for re-delivery
-
-
-class _Mapping(NamedTuple):
-    """This process's live zero-copy mapping of one entry and the value returned over it, which
-    repeat hits alias while it is alive and unchanged (a NamedTuple: made on every delivery, by
-    position in `arrays.c`'s `deliver` for a one-array value)."""
-
-    sealed: SealedEntry  # the entry whose head was parsed: (slot, gen) and where it lies in the arena
-    holder: weakref.ref[np.ndarray]  # the entry's bytes; alive while any returned view is
-    parsed: decode.ParsedValue
-    template: weakref.ref[Any] | None  # the value returned; None: never aliased (`decode.aliasing`)
-    signature: tuple[Any, ...]  # the template's signature when it was returned
-    aliasing: decode.Aliasing | None  # how to check the template again and alias it
-    aliases: GpuRecord | None  # the template aliases this exporter's device memory
 
 
 class Views:
@@ -72,9 +51,9 @@ class Views:
         self._requests, self._releases = requests, releases
         self._clone = config.return_mode == "clone"
         self._check_views = config.debug_check_views
-        self._local: dict[bytes, _Mapping] = {}
-        self._bound = REMEMBERED  # `_local`'s size that makes `_keep` forget dead mappings
-        self._lock = threading.Lock()
+        self._mappings = Mappings()
+        self._local = self._mappings.local  # read without a lock
+        self.repeat_hit = RepeatHits(node, device, requests, self._mappings, self._check_views).hit
         view_pin = int(not self._clone)
         self._pins = (max(view_pin, 1), view_pin + 1)  # `pins_for` without, with a request
 
@@ -130,8 +109,7 @@ class Views:
 
     def forget(self) -> None:
         """Drop every live mapping (detach)."""
-        with self._lock:
-            self._local.clear()
+        self._mappings.forget()
 
     def lookup(self, key: EmbeddingCacheKey, needle: bytes, request_id: RequestId | None) -> Value | None:
         """`get`: a repeat hit, else a node lookup delivered as a new view; None for a miss."""
@@ -158,8 +136,10 @@ class Views:
                 [(sealed.slot, sealed.gen) for sealed in found if sealed is not None for _ in range(pins)]
             )
             raise
-        kept: dict[bytes, _Mapping] = {}
+        kept: dict[bytes, Mapping] = {}
         try:
+            if self._deliver_known(needles, hits, holders, request_id, kept, out):
+                return out
             for n, ((i, sealed), holder) in enumerate(zip(hits, holders, strict=True)):
                 try:
                     out[i] = self._deliver(keys[i], needles[i], sealed, request_id, holder, kept)
@@ -168,8 +148,48 @@ class Views:
                         self._give_back(hit, left, pins)
                     raise
         finally:
-            self._keep(kept)  # once for the batch: one lock
+            self._mappings.keep(kept)  # once for the batch: one lock
         return out
+
+    def _deliver_known(
+        self,
+        needles: list[bytes],
+        hits: list[tuple[int, SealedEntry]],
+        holders: list[np.ndarray],
+        request_id: RequestId | None,
+        kept: dict[bytes, Mapping],
+        out: list[Value | None],
+    ) -> bool:
+        """Deliver a batch's hits into `out` in one native call if each is a one-array value whose
+        head this process checked at an earlier delivery of that very entry (False, nothing done,
+        if not). A hit is the caller's once counted `done` (its pins go with its value, or its
+        request); those not done when anything fails give their pins back. `holders` keeps every
+        view alive meanwhile, so a value dropped here releases nothing."""
+        if self._clone or self._check_views or not hits:
+            return False
+        local, parseds = self._local, []
+        for i, sealed in hits:
+            before = local.get(needles[i])
+            if before is None or before.sealed != sealed or before.parsed.native is None:
+                return False
+            parseds.append(before.parsed)
+        recipes = [parsed.native for parsed in parseds]
+        done = 0
+        try:
+            made = _arrays.deliver_many(
+                holders, entry.ENTRY_HEADER_SIZE, recipes, Mapping, [sealed for _, sealed in hits], parseds
+            )
+            for (i, sealed), (value, mapping) in zip(hits, made, strict=True):
+                done += 1
+                if request_id is not None:
+                    self._requests.add(request_id, sealed.slot, sealed.gen)
+                out[i] = value
+                kept[needles[i]] = mapping
+        except BaseException:
+            for (_, hit), left in zip(hits[done:], holders[done:], strict=True):
+                self._give_back(hit, left, self.pins_for(request_id))
+            raise
+        return True
 
     def hold(self, needle: bytes, request_id: RequestId) -> bool:
         """Reference the sealed entry of `needle` for `request_id`, without a view; False if none."""
@@ -189,11 +209,11 @@ class Views:
     ) -> Value | None:
         """Turn an entry pinned `pins_for(request_id)` times into the returned value; None (pins given
         back, entry dropped) if it fails verification. `checked`: its head as verified here (a pull)."""
-        kept: dict[bytes, _Mapping] = {}
+        kept: dict[bytes, Mapping] = {}
         try:
             return self._deliver(key, needle, sealed, request_id, None, kept, checked)
         finally:
-            self._keep(kept)
+            self._mappings.keep(kept)
 
     def _views(self, entries: list[SealedEntry]) -> list[np.ndarray]:
         """A view of each pinned entry, in one call; in view mode each one's death enqueues the
@@ -226,7 +246,7 @@ class Views:
         sealed: SealedEntry,
         request_id: RequestId | None,
         holder: np.ndarray | None,
-        kept: dict[bytes, _Mapping],
+        kept: dict[bytes, Mapping],
         checked: decode.ParsedValue | None = None,
     ) -> Value | None:
         """`deliver` over `holder` (its view made by `_views`, or None: made here); the mapping's
@@ -257,21 +277,6 @@ class Views:
         kept[needle] = mapping
         return value
 
-    def _keep(self, kept: dict[bytes, _Mapping]) -> None:
-        """Remember each delivered view's mapping as the newest of its needle. Past the bound, the
-        oldest dead mappings go down to `REMEMBERED`, and the next sweep waits until twice as many
-        are held (each sweep is paid for by the deliveries since the last)."""
-        with self._lock:
-            local = self._local
-            for needle, mapping in kept.items():
-                local.pop(needle, None)  # to the end: dicts keep insertion order
-                local[needle] = mapping
-            if len(local) > self._bound:
-                excess = len(local) - REMEMBERED
-                for old in [n for n, m in local.items() if m.holder() is None][:excess]:
-                    del local[old]
-                self._bound = max(REMEMBERED, 2 * len(local))
-
     def _build(
         self,
         key: EmbeddingCacheKey,
@@ -279,7 +284,7 @@ class Views:
         holder: np.ndarray,
         sealed: SealedEntry,
         checked: decode.ParsedValue | None,
-    ) -> tuple[Value, _Mapping | None]:
+    ) -> tuple[Value, Mapping | None]:
         """(value, the mapping's record; None in clone mode). A one-array value is made with its
         record in one native call."""
         # the head checked at the last delivery of `needle` here, if of this very (slot, gen, extent,
@@ -296,71 +301,7 @@ class Views:
             raise CorruptValue("the node's copy does not match its checksum")
         if parsed.native is not None and not self._clone:
             value, mapping = _arrays.deliver(
-                holder, entry.ENTRY_HEADER_SIZE, parsed.native, _Mapping, sealed, parsed
+                holder, entry.ENTRY_HEADER_SIZE, parsed.native, Mapping, sealed, parsed
             )
             return value, mapping
-        return _made_in_python(self._device, self._clone, holder, sealed, parsed)
-
-    def _check_unmodified(self, needle: bytes, key: EmbeddingCacheKey, holder: np.ndarray) -> None:
-        """(Debug mode) `ViewMutated` if a view this process was given of `key` was written to
-        (the write stayed in this process's copy-on-write mapping; the next get maps afresh)."""
-        if not entry.checksum_matches(holder.data):
-            with self._lock:
-                self._local.pop(needle, None)
-            raise ViewMutated(
-                f"{key!r}: a view returned in this process was written to (the node's copy is intact)"
-            )
-
-    def repeat_hit(
-        self, needle: bytes, key: EmbeddingCacheKey, request_id: RequestId | None, *, count: bool = True
-    ) -> Value | None:
-        """A repeat hit served from this process's live mapping: no lock unless a ref is taken."""
-        found = self._local.get(needle)
-        holder = found.holder() if found is not None else None
-        if found is None or holder is None:
-            return None
-        node, slot, gen = self._node, found.sealed.slot, found.sealed.gen
-        template, ops = None, found.aliasing
-        if (aliased := found.template) is not None and ops is not None:
-            template = aliased()
-            if template is not None and ops.signature(template) != found.signature:
-                template = None  # its holder changed it in place: not aliased
-        if found.parsed.on_device and self._device.reader() is not None:
-            if template is None:
-                return None  # a GPU entry's device arrays are made by a full delivery (its route)
-            if found.aliases is not None and not self._device.still_aliasable(slot, found.aliases):
-                return None  # its exporter died or withdrew it: no new aliases of that memory
-        if self._check_views:
-            self._check_unmodified(needle, key, holder)
-        # the hit is counted in the same native call unless a request's ref may still fail it
-        if not node.lookups.repeat_hit(slot, gen, counted=count and request_id is None):
-            return None
-        if request_id is not None and not self._ref_repeat(slot, gen, request_id, count):
-            return None
-        if template is not None and ops is not None:
-            return ops.alias(template)
-        return decode.materialize(holder, found.parsed, False, entry.ENTRY_HEADER_SIZE)
-
-    def _ref_repeat(self, slot: int, gen: int, request_id: RequestId, count: bool) -> bool:
-        """Reference a repeat hit's entry for `request_id` (and count the hit); False if it left."""
-        if not self._node.add_ref(slot, gen):
-            return False
-        self._requests.add(request_id, slot, gen)
-        if count:
-            self._node.count(Counter.HITS_PROCESS)
-        return True
-
-
-def _made_in_python(
-    device: DeviceSide, clone: bool, holder: np.ndarray, sealed: SealedEntry, parsed: decode.ParsedValue
-) -> tuple[Value, _Mapping | None]:
-    """`Views._build` of a value not delivered in one native call: any value in clone mode (a
-    copy: no record), a value of several arrays or one born on a GPU."""
-    on_device = device.materialize(holder, sealed, parsed, copy=clone) if parsed.on_device else None
-    value, aliased = on_device or (decode.materialize(holder, parsed, clone, entry.ENTRY_HEADER_SIZE), False)
-    if clone:
-        return value, None
-    ops = decode.aliasing(value)
-    template, signature = (None, ()) if ops is None else (weakref.ref(value), ops.signature(value))
-    record = GpuRecord.from_attachment(sealed.attachment) if aliased else None
-    return value, _Mapping(sealed, weakref.ref(holder), parsed, template, signature, ops, record)
+        return made_in_python(self._device, self._clone, holder, sealed, parsed)
