@@ -25,7 +25,6 @@ from shmcache import (
     InvalidKey,
 )
 from shmcache.errors import LockTimeout
-from shmcache.format import _arrays
 from shmcache.kernel import _mapping, copy_into
 from shmcache.kernel.cowmap import CowMapper
 from shmcache.node.audit import audit
@@ -61,40 +60,6 @@ def test_get_many_answers_in_key_order_and_pins_like_get(config: CacheConfig) ->
         settle()
         assert cache.stats()["references"] == 0
         assert audit(node_of(cache)) == []
-
-
-def test_get_many_of_entries_delivered_before_is_one_native_call_and_pins_like_get(
-    config: CacheConfig, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Once this process checked every head of a batch (their views dropped since), the batch is
-    delivered in one native call, each hit pinned and referenced as `get` would; a batch with
-    one entry not delivered here before goes one by one."""
-    with EmbeddingCache(config) as cache:
-        names = [f"k{i}" for i in range(8)]
-        for name in names:
-            cache.put(key_of(name), expected_value(name))
-        keys = [key_of(name) for name in names]
-        assert all(value is not None for value in cache.get_many(keys))  # every head checked
-        settle()
-        calls: list[int] = []
-        native = _arrays.deliver_many
-        monkeypatch.setattr(
-            _arrays, "deliver_many", lambda *args: calls.append(len(args[0])) or native(*args)
-        )
-        values = cache.get_many(keys, request_id="r")
-        assert calls == [8]
-        assert all(
-            torch.equal(value, expected_value(name)) for value, name in zip(values, names, strict=True)
-        )
-        assert cache.cleanup_request("r") == 8
-        cache.put(key_of("new"), expected_value("new"))
-        del values
-        settle()
-        mixed = cache.get_many([*keys, key_of("new")])
-        assert calls == [8] and all(value is not None for value in mixed)  # one by one
-        del mixed
-        settle()
-        assert cache.stats()["references"] == 0 and audit(node_of(cache)) == []
 
 
 def test_get_many_with_a_live_view_is_a_repeat_hit(config: CacheConfig) -> None:

@@ -23,7 +23,7 @@
  * `deliver(buffer, base, recipe, record_type, sealed, parsed)` is a hit's delivery of a one-array
  * value (process/views.py): the value, and the record a repeat hit aliases it by, made together:
  * `record_type(sealed, weakref(buffer), parsed, weakref(value), signature, recipe's aliasing,
- * None)` (views.py's `_Mapping`, built here by position), where the signature is what the
+ * None)` (mappings.py's `Mapping`, made by position as `tuple.__new__` makes it), where the signature is what the
  * aliasing's `signature` reads from the value as returned: (shape, strides, dtype, writeable)
  * of an array, (data_ptr, shape, strides, dtype) of a tensor (its layout is the recipe's).
  */
@@ -38,22 +38,22 @@
 #define MAX_DIMS 32
 
 /* The dimensions of `shape` (a tuple of ints, each >= 0) into `dims`, and the element count into
- * `count`; -1 with an error set otherwise, or if the product of the dimensions with each 0 counted
- * as 1 (what C-contiguous strides span, in elements) overflows. */
-static int read_shape(PyObject *shape, npy_intp *dims, int *ndim, Py_ssize_t *count) {
+ * `count`; -1 with an error set otherwise, or if the bytes the C-contiguous strides of items of
+ * `itemsize` span (the dimensions' product with each 0 counted as 1) overflow. */
+static int read_shape(PyObject *shape, Py_ssize_t itemsize, npy_intp *dims, int *ndim, Py_ssize_t *count) {
     if (!PyTuple_Check(shape) || PyTuple_GET_SIZE(shape) > MAX_DIMS) {
         PyErr_SetString(PyExc_TypeError, "shape must be a tuple of at most 32 ints");
         return -1;
     }
     *ndim = (int)PyTuple_GET_SIZE(shape);
     *count = 1;
-    Py_ssize_t span = 1;
+    Py_ssize_t span = 1, limit = PY_SSIZE_T_MAX / itemsize;
     for (int i = 0; i < *ndim; i++) {
         Py_ssize_t dim = PyLong_AsSsize_t(PyTuple_GET_ITEM(shape, i));
         if (dim == -1 && PyErr_Occurred()) {
             return -1;
         }
-        if (dim < 0 || (dim > 0 && span > PY_SSIZE_T_MAX / dim)) {
+        if (dim < 0 || (dim > 0 && span > limit / dim)) {
             PyErr_SetString(PyExc_ValueError, "a dimension is negative or the shape too large");
             return -1;
         }
@@ -123,6 +123,9 @@ static void capsule_destructor(PyObject *capsule) {
 }
 
 
+/* The method names called on a tensor, interned once (at import). */
+static PyObject *view_name, *data_ptr_name;
+
 /* A recipe's fields (reading.py's `Recipe`, in its order). */
 enum { R_OFFSET, R_NP_DTYPE, R_DLPACK, R_SHAPE, R_TO_TORCH, R_VIEW_AS, R_LAYOUT, R_ALIASING, R_FIELDS };
 
@@ -164,7 +167,7 @@ static PyObject *make_array(PyArrayObject *buffer, Py_ssize_t offset, PyObject *
     }
     npy_intp dims[MAX_DIMS];
     int ndim;
-    if (read_shape(shape, dims, &ndim, &count) < 0 || check_fits(buffer, offset, count, itemsize) < 0) {
+    if (read_shape(shape, itemsize, dims, &ndim, &count) < 0 || check_fits(buffer, offset, count, itemsize) < 0) {
         return NULL;
     }
     int flags = writeable && PyArray_ISWRITEABLE(buffer) ? NPY_ARRAY_WRITEABLE : 0;
@@ -207,8 +210,8 @@ static PyObject *make_capsule(PyArrayObject *buffer, Py_ssize_t offset, PyObject
     }
     npy_intp dims[MAX_DIMS];
     int ndim;
-    Py_ssize_t count;
-    if (read_shape(shape, dims, &ndim, &count) < 0 || check_fits(buffer, offset, count, bits * lanes / 8) < 0) {
+    Py_ssize_t count, itemsize = bits * lanes / 8;
+    if (read_shape(shape, itemsize, dims, &ndim, &count) < 0 || check_fits(buffer, offset, count, itemsize) < 0) {
         return NULL;
     }
     Exported *exported = malloc(sizeof(Exported) + 2 * (size_t)ndim * sizeof(int64_t));
@@ -280,7 +283,7 @@ static PyObject *make(PyObject *buffer_object, PyObject *base_object, PyObject *
     if (value == NULL || view_as == Py_None) {
         return value;
     }
-    PyObject *viewed = PyObject_CallMethod(value, "view", "O", view_as);
+    PyObject *viewed = PyObject_CallMethodOneArg(value, view_name, view_as);
     Py_DECREF(value);
     return viewed;
 }
@@ -333,7 +336,7 @@ static PyObject *signature_of(PyObject *value, PyObject *recipe) {
         PyErr_SetString(PyExc_TypeError, "a recipe's layout must be a tuple (shape, strides, dtype)");
         return NULL;
     }
-    PyObject *pointer = PyObject_CallMethod(value, "data_ptr", NULL);
+    PyObject *pointer = PyObject_CallMethodNoArgs(value, data_ptr_name);
     if (pointer == NULL) {
         return NULL;
     }
@@ -359,25 +362,26 @@ static PyObject *deliver_one(PyObject *buffer, PyObject *base, PyObject *recipe,
     if (value == NULL) {
         return NULL;
     }
-    PyObject *signature = signature_of(value, recipe);
-    PyObject *holder = PyWeakref_NewRef(buffer, NULL), *template = PyWeakref_NewRef(value, NULL);
-    PyObject *record = NULL, *out = NULL;
-    if (signature != NULL && holder != NULL && template != NULL) {
-        record = record_type->tp_alloc(record_type, 7);
+    PyObject *out = NULL, *fields = NULL, *signature = signature_of(value, recipe);
+    PyObject *holder = signature == NULL ? NULL : PyWeakref_NewRef(buffer, NULL);
+    PyObject *template = holder == NULL ? NULL : PyWeakref_NewRef(value, NULL);
+    if (template != NULL) {
+        fields = PyTuple_Pack(7, sealed, holder, parsed, template, signature, PyTuple_GET_ITEM(recipe, R_ALIASING),
+                              Py_None);
     }
-    if (record != NULL) { /* each item's reference is the record's from here on */
-        PyObject *items[7] = {Py_NewRef(sealed), holder,    Py_NewRef(parsed), template,
-                              signature,         Py_NewRef(PyTuple_GET_ITEM(recipe, R_ALIASING)), Py_NewRef(Py_None)};
-        for (int i = 0; i < 7; i++) {
-            PyTuple_SET_ITEM(record, i, items[i]);
+    if (fields != NULL) { /* tuple.__new__(record_type, fields), as a NamedTuple's `_make` */
+        PyObject *args = PyTuple_Pack(1, fields);
+        PyObject *record = args == NULL ? NULL : PyTuple_Type.tp_new(record_type, args, NULL);
+        Py_XDECREF(args);
+        if (record != NULL) {
+            out = PyTuple_Pack(2, value, record);
+            Py_DECREF(record);
         }
-        holder = template = signature = NULL;
-        out = PyTuple_Pack(2, value, record);
-        Py_DECREF(record);
     }
-    Py_XDECREF(signature);
-    Py_XDECREF(holder);
+    Py_XDECREF(fields);
     Py_XDECREF(template);
+    Py_XDECREF(holder);
+    Py_XDECREF(signature);
     Py_DECREF(value);
     return out;
 }
@@ -469,5 +473,10 @@ static struct PyModuleDef arrays_module = {
 
 PyMODINIT_FUNC PyInit__arrays(void) {
     import_array1(NULL);
+    view_name = PyUnicode_InternFromString("view");
+    data_ptr_name = PyUnicode_InternFromString("data_ptr");
+    if (view_name == NULL || data_ptr_name == NULL) {
+        return NULL;
+    }
     return PyModule_Create(&arrays_module);
 }

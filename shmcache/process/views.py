@@ -34,6 +34,16 @@ __all__ = ["Views"]
 log = logging.getLogger("shmcache")
 
 
+class _Handed:
+    """How many of a batch's hits, in order, are the caller's (their pins go with their value or
+    request); the rest give their pins back if the batch fails."""
+
+    __slots__ = ("count",)
+
+    def __init__(self) -> None:
+        self.count = 0
+
+
 class Views:
     """Builds returned values over the arena and serves repeat hits from live mappings."""
 
@@ -123,10 +133,13 @@ class Views:
         self, keys: Sequence[EmbeddingCacheKey], needles: list[bytes], request_id: RequestId | None
     ) -> list[Value | None]:
         """`lookup` of every key, in order: repeat hits first, the rest in one native lookup,
-        their views made (and watched) in one call."""
+        their views made (and watched) in one call, then delivered (`_deliver_known`, else one
+        by one)."""
         out = [self.repeat_hit(needle, key, request_id) for key, needle in zip(keys, needles, strict=True)]
         todo = [i for i, value in enumerate(out) if value is None]
         node, pins = self._node, self.pins_for(request_id)
+        kept: dict[bytes, Mapping] = {}
+        handed = _Handed()
         found = node.lookups.lookup_many([needles[i] for i in todo], pins, node.release)
         try:  # from here on every hit's pins are given back if anything fails
             hits = [(i, sealed) for i, sealed in zip(todo, found, strict=True) if sealed is not None]
@@ -136,17 +149,15 @@ class Views:
                 [(sealed.slot, sealed.gen) for sealed in found if sealed is not None for _ in range(pins)]
             )
             raise
-        kept: dict[bytes, Mapping] = {}
         try:
-            if self._deliver_known(needles, hits, holders, request_id, kept, out):
-                return out
-            for n, ((i, sealed), holder) in enumerate(zip(hits, holders, strict=True)):
-                try:
+            if not self._deliver_known(needles, hits, holders, request_id, kept, out, handed):
+                for (i, sealed), holder in zip(hits, holders, strict=True):
+                    handed.count += 1  # `_deliver` gives its pins back itself if it fails
                     out[i] = self._deliver(keys[i], needles[i], sealed, request_id, holder, kept)
-                except BaseException:  # the hits not yet delivered give their pins back
-                    for (_, hit), left in zip(hits[n + 1 :], holders[n + 1 :], strict=True):
-                        self._give_back(hit, left, pins)
-                    raise
+        except BaseException:  # the hits not handed over yet give their pins back
+            for (_, hit), left in zip(hits[handed.count :], holders[handed.count :], strict=True):
+                self._give_back(hit, left, pins)
+            raise
         finally:
             self._mappings.keep(kept)  # once for the batch: one lock
         return out
@@ -159,12 +170,13 @@ class Views:
         request_id: RequestId | None,
         kept: dict[bytes, Mapping],
         out: list[Value | None],
+        handed: _Handed,
     ) -> bool:
         """Deliver a batch's hits into `out` in one native call if each is a one-array value whose
         head this process checked at an earlier delivery of that very entry (False, nothing done,
-        if not). A hit is the caller's once counted `done` (its pins go with its value, or its
-        request); those not done when anything fails give their pins back. `holders` keeps every
-        view alive meanwhile, so a value dropped here releases nothing."""
+        if not), counting each hit `handed` as it goes to the caller (before its request's
+        reference: a signal between the two leaks that pin rather than release it twice).
+        `holders` keeps every view alive meanwhile, so a value dropped here releases nothing."""
         if self._clone or self._check_views or not hits:
             return False
         local, parseds = self._local, []
@@ -174,21 +186,14 @@ class Views:
                 return False
             parseds.append(before.parsed)
         recipes = [parsed.native for parsed in parseds]
-        done = 0
-        try:
-            made = _arrays.deliver_many(
-                holders, entry.ENTRY_HEADER_SIZE, recipes, Mapping, [sealed for _, sealed in hits], parseds
-            )
-            for (i, sealed), (value, mapping) in zip(hits, made, strict=True):
-                done += 1
-                if request_id is not None:
-                    self._requests.add(request_id, sealed.slot, sealed.gen)
-                out[i] = value
-                kept[needles[i]] = mapping
-        except BaseException:
-            for (_, hit), left in zip(hits[done:], holders[done:], strict=True):
-                self._give_back(hit, left, self.pins_for(request_id))
-            raise
+        sealeds = [sealed for _, sealed in hits]
+        made = _arrays.deliver_many(holders, entry.ENTRY_HEADER_SIZE, recipes, Mapping, sealeds, parseds)
+        for (i, sealed), (value, mapping) in zip(hits, made, strict=True):
+            handed.count += 1
+            if request_id is not None:
+                self._requests.add(request_id, sealed.slot, sealed.gen)
+            out[i] = value
+            kept[needles[i]] = mapping
         return True
 
     def hold(self, needle: bytes, request_id: RequestId) -> bool:
