@@ -11,9 +11,10 @@
  * - a tensor of a dtype numpy lacks (bfloat16, float8, complex32 ...): a "dltensor" capsule over the
  *   bytes, handed to `torch.from_dlpack`: one tensor in one step, where `from_numpy` needs an
  *   integer array and a `.view`. The capsule's tensor holds a reference to `buffer` (its
- *   `manager_ctx`) until torch calls its deleter, which may run in a thread without the GIL: it
- *   takes the GIL for the decref, and does nothing once the interpreter is gone (the process is
- *   exiting; the mapping goes with it). A capsule never taken over frees it in its destructor. The
+ *   `manager_ctx`) until torch calls its deleter, which runs without the GIL, maybe in a thread
+ *   Python does not know: it takes the GIL for the decref (at interpreter exit, only in the
+ *   finalizing thread; any other leaves it to the exit). A capsule never taken over frees it in
+ *   its destructor. The
  *   type codes are not written here: `dltype(capsule)` reads them from a capsule torch made
  *   (reading.py asks torch once per dtype), so they are the codes this torch reads back.
  *
@@ -23,9 +24,10 @@
  * `deliver(buffer, base, recipe, record_type, sealed, parsed)` is a hit's delivery of a one-array
  * value (process/views.py): the value, and the record a repeat hit aliases it by, made together:
  * `record_type(sealed, weakref(buffer), parsed, weakref(value), signature, recipe's aliasing,
- * None)` (mappings.py's `Mapping`, made by position as `tuple.__new__` makes it), where the signature is what the
- * aliasing's `signature` reads from the value as returned: (shape, strides, dtype, writeable)
- * of an array, (data_ptr, shape, strides, dtype) of a tensor (its layout is the recipe's).
+ * None)` (mappings.py's `Mapping`, made by position as `tuple.__new__` makes it), where the
+ * signature is what the aliasing's `signature` reads from the value as returned: (shape,
+ * strides, dtype, writeable) of an array, (data_ptr, shape, strides, dtype) of a tensor (its
+ * layout is the recipe's). `deliver_many` is `deliver` of a batch, all or none.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -121,7 +123,6 @@ static void capsule_destructor(PyObject *capsule) {
         managed->deleter(managed);
     }
 }
-
 
 /* The method names called on a tensor, interned once (at import). */
 static PyObject *view_name, *data_ptr_name;
@@ -314,7 +315,8 @@ static PyObject *signature_of(PyObject *value, PyObject *recipe) {
             return NULL;
         }
         for (int i = 0; i < ndim; i++) {
-            PyObject *dim = PyLong_FromSsize_t(PyArray_DIM(array, i)), *step = PyLong_FromSsize_t(PyArray_STRIDE(array, i));
+            PyObject *dim = PyLong_FromSsize_t(PyArray_DIM(array, i));
+            PyObject *step = PyLong_FromSsize_t(PyArray_STRIDE(array, i));
             if (dim == NULL || step == NULL) {
                 Py_XDECREF(dim);
                 Py_XDECREF(step);
@@ -390,8 +392,8 @@ static PyObject *deliver_one(PyObject *buffer, PyObject *base, PyObject *recipe,
  * of this file); `record_type` is a tuple subclass of 7 fields. */
 static PyObject *deliver(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 6) {
-        PyErr_Format(PyExc_TypeError, "deliver(buffer, base, recipe, record_type, sealed, parsed) takes 6 arguments, got %zd",
-                     nargs);
+        PyErr_Format(PyExc_TypeError,
+                     "deliver(buffer, base, recipe, record_type, sealed, parsed) takes 6 arguments, got %zd", nargs);
         return NULL;
     }
     PyTypeObject *record_type = record_type_of(args[3]);
@@ -430,7 +432,7 @@ static PyObject *deliver_many(PyObject *Py_UNUSED(module), PyObject *const *args
     if (out == NULL) {
         return NULL;
     }
-    for (Py_ssize_t i = 0; i < count; i++) {
+    for (Py_ssize_t i = 0; i < count; i++) { /* the lists are the caller's own: borrowed items stay */
         PyObject *pair = deliver_one(PyList_GET_ITEM(buffers, i), args[1], PyList_GET_ITEM(recipes, i), record_type,
                                      PyList_GET_ITEM(sealeds, i), PyList_GET_ITEM(parseds, i));
         if (pair == NULL) {

@@ -8,13 +8,16 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from functools import cache
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
 from shmcache.errors import UnsupportedValue
 from shmcache.format import _arrays
 from shmcache.keys.dtypes import numpy_dtype
+
+if TYPE_CHECKING:
+    from shmcache.format.decode import Aliasing
 
 __all__ = ["DLType", "Recipe", "numpy_recipe", "torch_recipe"]
 
@@ -38,15 +41,17 @@ class Recipe(NamedTuple):
     to_torch: Callable[[Any], Any] | None  # `torch.from_numpy` / `torch.from_dlpack`; None: numpy
     view_as: Any  # the tensor then viewed as this torch dtype (one DLPack lacks); None: no view
     layout: tuple[Any, ...] | None  # a tensor's (shape, strides, dtype); None: a numpy array
-    aliasing: Any  # the `decode.Aliasing` of the value's type, which its repeat-hit record holds
+    aliasing: Aliasing  # how a repeat hit checks and aliases the value (its record holds it)
 
 
-def numpy_recipe(offset: int, dtype: np.dtype[Any], shape: tuple[int, ...], aliasing: Any) -> Recipe:
+def numpy_recipe(offset: int, dtype: np.dtype[Any], shape: tuple[int, ...], aliasing: Aliasing) -> Recipe:
     """The recipe of a numpy array (read-only)."""
     return Recipe(offset, dtype, None, shape, None, None, None, aliasing)
 
 
-def torch_recipe(offset: int, name: str, torch_type: Any, shape: tuple[int, ...], aliasing: Any) -> Recipe:
+def torch_recipe(
+    offset: int, name: str, torch_type: Any, shape: tuple[int, ...], aliasing: Aliasing
+) -> Recipe:
     """The recipe of a tensor of `torch_type` (canonical name `name`): over its numpy twin (the
     cheaper step for those), else (bfloat16, float8 & co) over DLPack as its own dtype (one step,
     against an integer array viewed as it), else (bits8 & co, which DLPack lacks) over DLPack as

@@ -45,7 +45,7 @@ class _Handed:
 
 
 class Views:
-    """Builds returned values over the arena and serves repeat hits from live mappings."""
+    """Builds returned values over the arena (`repeat_hit`: `repeats.RepeatHits.hit`)."""
 
     def __init__(
         self,
@@ -255,7 +255,7 @@ class Views:
         checked: decode.ParsedValue | None = None,
     ) -> Value | None:
         """`deliver` over `holder` (its view made by `_views`, or None: made here); the mapping's
-        record goes into `kept`, for the caller's `_keep`."""
+        record goes into `kept`, for the caller's `Mappings.keep`."""
         node, slot, gen = self._node, sealed.slot, sealed.gen
         # a copy-on-write mapping of the entry (no write reaches the node's copy), made straight
         # as an array (not sliced from another), so that every array derived from it keeps it as
