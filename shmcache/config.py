@@ -22,13 +22,16 @@ __all__ = [
     "MIN_CAPACITY",
     "MIN_PINS",
     "NAMESPACE_PATTERN",
+    "NAMESPACE_RULE",
     "CacheConfig",
     "is_host_port",
     "is_unicast_ipv4",
 ]
 
-# anchored at both ends (\A, \Z): "$" would also match before a trailing newline
-NAMESPACE_PATTERN = re.compile(r"\A[A-Za-z0-9_-][A-Za-z0-9_.-]{0,63}\Z")
+# anchored at both ends (\A, \Z): "$" would also match before a trailing newline; no leading "."
+# (hidden, "..") or "-" (read as an option by `shmcache-inspect show NAMESPACE`)
+NAMESPACE_PATTERN = re.compile(r"\A[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}\Z")
+NAMESPACE_RULE = "namespace must be 1 to 64 of A-Z a-z 0-9 _ . -, not starting with '.' or '-'"
 MIN_CAPACITY = 1 << 20
 MAX_CAPACITY = 1 << 48
 MAX_WAYS = 64
@@ -85,7 +88,7 @@ class CacheConfig:
         for field in dataclasses.fields(self):
             _check_type(field.name, str(field.type), getattr(self, field.name))
         named = NAMESPACE_PATTERN.fullmatch(self.namespace) is not None
-        _require(named, "namespace must match [A-Za-z0-9_.-]{1,64}")
+        _require(named, NAMESPACE_RULE)
         sized = MIN_CAPACITY <= self.capacity_bytes <= MAX_CAPACITY
         _require(sized, "capacity_bytes must be in 1 MiB..256 TiB")
         _require(1 <= self.ways <= MAX_WAYS, f"ways must be in 1..{MAX_WAYS}")
@@ -140,7 +143,8 @@ class CacheConfig:
     @classmethod
     def from_stage_config(cls, stage: Mapping[str, Any]) -> CacheConfig:
         """Build from the `CacheConfig` fields of a vLLM-Omni stage's `embedding_cache:` block
-        (`enable_embedding_cache` + these fields; not the whole stage)."""
+        (`enable_embedding_cache` + these fields; not the whole stage). `InvalidConfig` for any
+        other name, `key_salt` included: a connector setting that `shmcache omni-deploy` places."""
         if not isinstance(stage, Mapping):
             raise ConfigTypeError(f"the stage config must be a mapping, got {type(stage).__name__}")
         names = {f.name for f in dataclasses.fields(cls)}

@@ -148,4 +148,4 @@ class NamespaceUnavailable(ShmCacheError, FileNotFoundError):
 
 
 class RequestIdTypeError(ArgumentTypeError):
-    """A request id that cannot name a request (it must be hashable)."""
+    """A request id that cannot name a request (it must be hashable; None where one is required)."""

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -12,8 +13,10 @@ from shmcache import (
     ArgumentTypeError,
     CacheConfig,
     EmbeddingCache,
+    EmbeddingCacheKey,
     EncoderPreprocessingConfig,
     InvalidKey,
+    KeyTypeError,
     RequestIdTypeError,
     UnsupportedValue,
 )
@@ -67,3 +70,57 @@ def test_bad_arguments_are_typed_errors_and_change_nothing(
         stats = cache.stats()
         assert (stats["references"], stats["reserved"], stats["entries"]) == (0, 0, 1)
         assert torch.equal(cache.get(stored), torch.ones(8)) and cache.get(fresh) is None
+
+
+def _misuses(
+    cache: EmbeddingCache, k: EmbeddingCacheKey
+) -> list[tuple[Callable[[], object], type[Exception]]]:
+    """A call with an argument of the wrong type, and the error it must raise."""
+    return [
+        (lambda: cache.get(None), KeyTypeError),  # type: ignore[arg-type]
+        (lambda: cache.get(k, request_id=["r"]), RequestIdTypeError),
+        (lambda: cache.get_many([k, None]), KeyTypeError),  # type: ignore[list-item]
+        (lambda: cache.put(None, torch.ones(2)), KeyTypeError),  # type: ignore[arg-type]
+        (lambda: cache.put(k, {1}), UnsupportedValue),  # type: ignore[arg-type]
+        (lambda: cache.get_or_compute("k", lambda: torch.ones(2)), KeyTypeError),  # type: ignore[arg-type]
+        (lambda: cache.reserve(None), KeyTypeError),  # type: ignore[arg-type]
+        (lambda: cache.try_reserve(k, request_id={}), RequestIdTypeError),
+        (lambda: cache.try_reserve_many([None]), KeyTypeError),  # type: ignore[list-item]
+        (lambda: cache.contains("abc"), KeyTypeError),  # type: ignore[arg-type]
+        (lambda: cache.contains_many([k, None]), KeyTypeError),  # type: ignore[list-item]
+        (lambda: cache.hold(None, "r"), KeyTypeError),  # type: ignore[arg-type]
+        (lambda: cache.hold(k, None), RequestIdTypeError),  # type: ignore[arg-type]
+        (lambda: cache.cleanup_request(None), RequestIdTypeError),  # type: ignore[arg-type]
+        (lambda: cache.cleanup_request([1]), RequestIdTypeError),  # type: ignore[arg-type]
+    ]
+
+
+@pytest.mark.parametrize("enabled", [True, False], ids=["enabled", "disabled"])
+def test_a_wrong_argument_type_is_the_same_type_error_enabled_or_not(
+    config: CacheConfig, pconfig: EncoderPreprocessingConfig, enabled: bool
+) -> None:
+    """What works with the cache switched off works with it on: the pass-through checks too."""
+    settings = config if enabled else dataclasses.replace(config, enable_embedding_cache=False)
+    with EmbeddingCache(settings) as cache:
+        k = key(pconfig, "stored")
+        cache.put(k, torch.ones(8))
+        for call, error in _misuses(cache, k):
+            with pytest.raises(error):
+                call()
+        assert issubclass(KeyTypeError, TypeError) and issubclass(RequestIdTypeError, TypeError)
+        if enabled:
+            cache.flush_releases()
+            stats = cache.stats()
+            assert (stats["references"], stats["reserved"], stats["entries"]) == (0, 0, 1)
+
+
+def test_abandon_with_a_reason_that_is_no_str_keeps_the_reservation(
+    config: CacheConfig, pconfig: EncoderPreprocessingConfig
+) -> None:
+    with EmbeddingCache(config) as cache:
+        res = cache.reserve(key(pconfig, "fresh"))
+        with pytest.raises(ArgumentTypeError, match="reason must be a str"):
+            res.abandon(123)  # type: ignore[arg-type]
+        assert cache.stats()["reserved"] == 1 and res.owned  # still this caller's to end
+        res.abandon("given up")
+        assert cache.stats()["reserved"] == 0

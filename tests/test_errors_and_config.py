@@ -114,6 +114,19 @@ def test_cache_config_refuses_odd_values_with_short_typed_errors(
     assert len(str(raised.value)) < 200
 
 
+@pytest.mark.parametrize("name", ["-x", ".a", "..", "a/b", "", "a" * 65])
+def test_a_namespace_that_is_no_plain_name_is_refused_by_the_rule_it_breaks(name: str) -> None:
+    """A leading "-" would read as an option to `shmcache-inspect show NAMESPACE`."""
+    from shmcache.config import NAMESPACE_RULE
+    from shmcache.kernel.namespace import object_names
+
+    for make in (lambda: CacheConfig(namespace=name), lambda: object_names(name)):
+        with pytest.raises(InvalidConfig) as raised:
+            make()
+        assert str(raised.value).startswith(NAMESPACE_RULE)
+    assert CacheConfig(namespace="_a-1.b").namespace == "_a-1.b"
+
+
 def test_the_namespace_pattern_is_anchored_at_the_end() -> None:
     from shmcache.config import NAMESPACE_PATTERN
     from shmcache.kernel.namespace import object_names

@@ -97,3 +97,22 @@ def test_a_namespace_destroyed_under_the_holder_ends_it_with_rc_1(namespace: str
         holder.wait()
     assert holder.returncode == 1 and b"was destroyed under it" in err, (holder.returncode, err)
     assert not namespace_objects(namespace)
+
+
+@pytest.mark.parametrize("text", ["null", "[]", '"qwen-omni"', "{bad json"])
+def test_a_config_that_is_no_json_object_is_a_usage_error(
+    text: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from shmcache.ops.hold import main
+
+    assert main(["--config", text]) == 2
+    assert "shmcache hold: bad --config" in capsys.readouterr().err
+
+
+def test_shmcache_without_a_command_prints_its_usage_to_stderr(capsys: pytest.CaptureFixture[str]) -> None:
+    from shmcache.ops.cli import main
+
+    assert main([]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("usage: shmcache COMMAND")
+    assert main(["--help"]) == 0 and capsys.readouterr().out.startswith("usage: shmcache COMMAND")

@@ -229,7 +229,7 @@ def test_a_bad_namespace_name_is_a_clear_error(
 ) -> None:
     """`--watch` keeps watching only a namespace absent or being created, not a name that cannot be one."""
     code, _, err = run_inspect(capsys, command[0], "../escape", *command[1:])
-    assert code == 1 and "namespace must match" in err
+    assert code == 1 and "namespace must be 1 to 64" in err
 
 
 def test_serving_on_a_taken_port_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:

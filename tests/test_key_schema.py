@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from shmcache import EmbeddingCacheKey
-from shmcache.errors import UnsupportedValue
+from shmcache.errors import InvalidKey, KeyTypeError, UnsupportedValue
 from shmcache.keys._native import Header
 from shmcache.keys._native import header as header_of
 from shmcache.testing import sample_preprocessing
@@ -42,7 +42,7 @@ def test_digests_are_pinned_across_versions() -> None:
 def test_a_salt_is_checked_whether_or_not_a_header_is_memoised() -> None:
     config = sample_preprocessing()
     made = EmbeddingCacheKey.from_raw_bytes(b"x", config, modality="image", tenant_salt=b"s")
-    with pytest.raises(UnsupportedValue):  # equal to b"s", and still not a salt
+    with pytest.raises(KeyTypeError):  # equal to b"s", and still not a salt
         EmbeddingCacheKey.from_raw_bytes(b"x", config, modality="image", tenant_salt=memoryview(b"s"))
     assert EmbeddingCacheKey.from_raw_bytes(b"x", config, modality="image", tenant_salt="s") == made
 
@@ -130,3 +130,21 @@ def test_keys_made_from_many_threads_are_the_keys_made_alone() -> None:
     for thread in threads:
         thread.join()
     assert wrong == []
+
+
+def test_parts_of_the_wrong_type_are_key_type_errors_empty_ones_invalid_keys() -> None:
+    pconfig = sample_preprocessing()
+    external = EmbeddingCacheKey.from_external_id
+    for call in (
+        lambda: EmbeddingCacheKey.from_raw_bytes(b"x", {"model_id": "m"}, modality="image"),  # type: ignore[arg-type]
+        lambda: EmbeddingCacheKey.from_token_prefix([1], pconfig, parent="abc"),  # type: ignore[arg-type]
+        lambda: external(None, pconfig, source="vllm", modality="image"),  # type: ignore[arg-type]
+        lambda: external("mm-hash", pconfig, source=3, modality="image"),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(KeyTypeError):
+            call()
+    for empty in ({"identifier": ""}, {"source": ""}):
+        arguments = {"identifier": "mm-hash", "source": "vllm", **empty}
+        with pytest.raises(InvalidKey, match="non-empty") as raised:
+            external(arguments["identifier"], pconfig, source=arguments["source"], modality="image")
+        assert not isinstance(raised.value, TypeError)

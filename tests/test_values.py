@@ -229,3 +229,13 @@ def test_values_that_cannot_be_stored_are_typed_errors() -> None:
         with pytest.raises(UnsupportedValue) as raised:
             encode(value)
         assert len(str(raised.value)) < 200
+
+
+def test_a_value_of_more_arrays_than_a_reader_accepts_is_refused_at_put() -> None:
+    """A dict past `MAX_ARRAYS` was stored, then dropped as corrupt by every reader."""
+    from shmcache.format.values import MAX_ARRAYS
+
+    most = {f"a{i}": np.zeros(0, np.uint8) for i in range(MAX_ARRAYS)}
+    assert len(decode(encode(most))) == MAX_ARRAYS  # type: ignore[arg-type]
+    with pytest.raises(UnsupportedValue, match=f"at most {MAX_ARRAYS} arrays"):
+        plan({**most, "one more": np.zeros(0, np.uint8)})

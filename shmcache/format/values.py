@@ -237,6 +237,8 @@ def _metadata_json(metadata: Any) -> bytes:
 def plan(value: Value) -> EncodedValue:
     """Lay out `value` without copying its payload; raises `UnsupportedValue` for other types."""
     kind, arrays, meta = _classify(value)
+    if len(arrays) > MAX_ARRAYS:
+        raise UnsupportedValue(f"a value holds at most {MAX_ARRAYS} arrays, got {len(arrays)}")
     descriptors = []
     for array in arrays:
         dtype_raw, name_raw = array.dtype.encode(), array.name.encode()

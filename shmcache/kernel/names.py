@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from shmcache.config import NAMESPACE_PATTERN
+from shmcache.config import NAMESPACE_PATTERN, NAMESPACE_RULE
 from shmcache.errors import InvalidConfig
 from shmcache.keys.text import short_repr
 
@@ -42,7 +42,7 @@ def object_names(namespace: str, uid: int | None = None) -> ObjectNames:
     """Names for `namespace` of user `uid` (default: this process's effective uid);
     `InvalidConfig` for a name that could escape /dev/shm or is not a namespace name."""
     if not isinstance(namespace, str) or NAMESPACE_PATTERN.fullmatch(namespace) is None:
-        raise InvalidConfig(f"namespace must match [A-Za-z0-9_.-]{{1,64}}, got {short_repr(namespace)}")
+        raise InvalidConfig(f"{NAMESPACE_RULE}, got {short_repr(namespace)}")
     owner = os.geteuid() if uid is None else uid
     base = f"{PREFIX}.{owner}.{namespace}"
     return ObjectNames(f"/{base}.index", f"/{base}.arena", f"{SHM_DIR}/{base}.lock", owner)

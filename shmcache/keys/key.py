@@ -13,8 +13,9 @@ blake3 and sha256) and identical across processes and interpreter runs.
 
 The dtype and the full shape of a tensor are hashed, 0-d included (a 0-d array never shares a key
 with its 1-d twin). Every input is validated first, with a short typed error: `KeyTypeError` (an
-`InvalidKey` and a TypeError) for an algorithm, modality, kind or digest of the wrong type,
-`InvalidKey` for an unknown one, a digest of the wrong width or text with lone surrogates (a salt),
+`InvalidKey` and a TypeError) for an algorithm, modality, kind, digest, config, salt, parent or
+identifier of the wrong type, `InvalidKey` for an unknown one, a digest of the wrong width or text
+with lone surrogates (a salt),
 `UnsupportedValue` for content that cannot be hashed (meta, nested, sparse tensors, object arrays).
 The public constructor `EmbeddingCacheKey(algorithm, digest, modality, kind)` validates its parts too.
 """
@@ -89,7 +90,7 @@ def _build_header(
     config field and the salt; its full-width digest stands for it in every key made with it.
     """
     if not isinstance(config, EncoderPreprocessingConfig):
-        raise UnsupportedValue(f"config must be an EncoderPreprocessingConfig, got {type(config).__name__}")
+        raise KeyTypeError(f"config must be an EncoderPreprocessingConfig, got {type(config).__name__}")
     algorithm = _known("hash algorithm", algorithm, HASH_ALGORITHMS)
     modality = _known("modality", modality, MODALITIES)
     hash_fn = _ONE_SHOT[algorithm]
@@ -116,7 +117,7 @@ def _salt_bytes(tenant_salt: object) -> bytes | None:
         return utf8(tenant_salt, "tenant_salt", InvalidKey)
     if isinstance(tenant_salt, bytes):
         return bytes(tenant_salt)
-    raise UnsupportedValue(f"tenant_salt must be str, bytes or None, got {type(tenant_salt).__name__}")
+    raise KeyTypeError(f"tenant_salt must be str, bytes or None, got {type(tenant_salt).__name__}")
 
 
 class EmbeddingCacheKey:
@@ -203,7 +204,7 @@ class EmbeddingCacheKey:
         elif parent is None or isinstance(parent, bytes):
             parent_bytes = parent
         else:
-            raise UnsupportedValue(f"parent must be a key, bytes or None, got {type(parent).__name__}")
+            raise KeyTypeError(f"parent must be a key, bytes or None, got {type(parent).__name__}")
         try:
             tokens = np.asarray(token_ids)
         except (TypeError, ValueError, OverflowError) as exc:
@@ -235,10 +236,11 @@ class EmbeddingCacheKey:
         The config adds what the identifier does not cover (model revision, encoder config,
         dtype). The identifier must itself be content-addressed: equal identifiers are equal inputs.
         """
-        if not isinstance(identifier, str) or not identifier:
-            raise InvalidKey(f"identifier must be a non-empty str, got {type(identifier).__name__}")
-        if not isinstance(source, str) or not source:
-            raise InvalidKey(f"source must be a non-empty str, got {type(source).__name__}")
+        for name, text in (("identifier", identifier), ("source", source)):
+            if not isinstance(text, str):
+                raise KeyTypeError(f"{name} must be a non-empty str, got {type(text).__name__}")
+            if not text:
+                raise InvalidKey(f"{name} must be a non-empty str, got ''")
         try:
             content = identifier.encode("utf-8")
             framed_source = frame(source)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
 import sys
+from collections.abc import Callable
+from typing import Final
 
 __all__ = ["main"]
 
@@ -17,31 +20,24 @@ commands:
 """
 
 
+# each command's module, imported only when the command runs (vLLM's and Mooncake's imports are slow)
+COMMANDS: Final = {
+    "demo": "shmcache.ops.demo",
+    "hold": "shmcache.ops.hold",
+    "inspect": "shmcache.ops.inspect",
+    "omni-deploy": "shmcache.integrations.vllm_omni.deploy",
+    "remote-holder": "shmcache.remote.holder",
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if not args or args[0] in ("-h", "--help"):
+    if args and args[0] in ("-h", "--help"):
         print(USAGE)
-        return 0 if args else 2
-    command, rest = args[0], args[1:]
-    if command == "demo":
-        from shmcache.ops.demo import main as demo
-
-        return demo(rest)
-    if command == "hold":
-        from shmcache.ops.hold import main as hold
-
-        return hold(rest)
-    if command == "omni-deploy":
-        from shmcache.integrations.vllm_omni.deploy import main as omni_deploy
-
-        return omni_deploy(rest)
-    if command == "remote-holder":
-        from shmcache.remote.holder import main as remote_holder
-
-        return remote_holder(rest)
-    if command == "inspect":
-        from shmcache.ops.inspect import main as inspect
-
-        return inspect(rest)
-    print(f"shmcache: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
-    return 2
+        return 0
+    if not args or args[0] not in COMMANDS:
+        unknown = f"shmcache: unknown command {args[0]!r}\n\n" if args else ""
+        print(f"{unknown}{USAGE}", file=sys.stderr)
+        return 2
+    command: Callable[[list[str]], int] = importlib.import_module(COMMANDS[args[0]]).main
+    return command(args[1:])

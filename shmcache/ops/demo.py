@@ -1,10 +1,10 @@
 """`shmcache demo`: encoder and prefill processes sharing one node cache on a repeated workload.
 
-Encoder processes walk the request stream and encode every image (a real small ViT-style forward:
-patch embedding + transformer layers). Prefill processes walk the same stream and consume the
-embeddings, computing them themselves when an encoder has not got there yet. All of them go
-through one node cache, so each distinct image is encoded once on the node, whoever gets there
-first, and every process reads the one shared copy.
+The request stream is dealt round-robin to the processes. Encoder processes encode the images of
+their requests (a real small ViT-style forward: patch embedding + transformer layers); prefill
+processes consume the embeddings of theirs, computing them themselves when no encoder has got
+there yet. All of them go through one node cache, so each distinct image is encoded once on the
+node, whoever gets there first, and every process reads the one shared copy.
 """
 
 from __future__ import annotations

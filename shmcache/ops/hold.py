@@ -42,7 +42,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ready", help="create this file once the namespace is open")
     args = parser.parse_args(argv)
     try:
-        config = ConnectorSettings.from_extra_config(json.loads(args.config)).cache
+        extra = json.loads(args.config)
+        if not isinstance(extra, dict):
+            raise TypeError(f"expected a JSON object, got {type(extra).__name__}")
+        config = ConnectorSettings.from_extra_config(extra).cache
     except (ValueError, TypeError) as exc:
         print(f"shmcache hold: bad --config: {exc}", file=sys.stderr)
         return 2

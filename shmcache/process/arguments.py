@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from shmcache.config import CacheConfig
-from shmcache.errors import ArgumentTypeError, InvalidKey, RequestIdTypeError
+from shmcache.errors import ArgumentTypeError, InvalidKey, KeyTypeError, RequestIdTypeError
 from shmcache.keys.key import EmbeddingCacheKey
 from shmcache.node.layout import Layout, needle_of
 from shmcache.process.reservation import ReservationTicket
@@ -16,10 +16,14 @@ __all__ = [
     "check_callable",
     "check_keys",
     "check_request",
+    "check_request_named",
     "check_ticket",
     "check_ticket_fits",
     "config_of",
     "needle",
+    "needles",
+    "request_needle",
+    "request_needles",
 ]
 
 
@@ -29,6 +33,14 @@ def check_request(request_id: Any) -> None:
         hash(request_id)
     except TypeError:
         raise RequestIdTypeError(f"request_id must be hashable, got {type(request_id).__name__}") from None
+
+
+def check_request_named(request_id: Any) -> None:
+    """`check_request`, and `RequestIdTypeError` for None too: `hold` and `cleanup_request` name a
+    request, where None means "no request" to the calls that take one optionally."""
+    if request_id is None:
+        raise RequestIdTypeError("request_id must name a request, got None")
+    check_request(request_id)
 
 
 def config_of(config: Any) -> CacheConfig:
@@ -82,9 +94,10 @@ def check_keys(keys: Any) -> None:
 
 
 def needle(key: Any, algorithm: str) -> bytes:
-    """The index needle of `key`; `InvalidKey` for anything but a key of hash `algorithm`."""
+    """The index needle of `key`: `KeyTypeError` for anything but a key, `InvalidKey` for a key of
+    another hash algorithm than `algorithm`."""
     if not isinstance(key, EmbeddingCacheKey):
-        raise InvalidKey(f"expected an EmbeddingCacheKey, got {type(key).__name__}")
+        raise KeyTypeError(f"expected an EmbeddingCacheKey, got {type(key).__name__}")
     if key.algorithm != algorithm:
         raise InvalidKey(f"key uses {key.algorithm}, this cache is configured for {algorithm}")
     return needle_of(key)
@@ -93,3 +106,17 @@ def needle(key: Any, algorithm: str) -> bytes:
 def needles(keys: Sequence[Any], algorithm: str) -> list[bytes]:
     """`needle` of each of `keys`, in order."""
     return [needle(key, algorithm) for key in keys]
+
+
+def request_needle(key: Any, request_id: Any, algorithm: str) -> bytes:
+    """`needle` of `key` for a call that takes an optional `request_id`, checked first."""
+    if request_id is not None:
+        check_request(request_id)
+    return needle(key, algorithm)
+
+
+def request_needles(keys: Any, request_id: Any, algorithm: str) -> list[bytes]:
+    """`needles` of a batch of `keys` (`check_keys`) for an optional `request_id`, checked first."""
+    check_keys(keys)
+    check_request(request_id)
+    return needles(keys, algorithm)

@@ -20,6 +20,7 @@ from typing import Any
 
 from shmcache.config import CacheConfig
 from shmcache.errors import CacheClosed, CapacityError, PinLimitReached
+from shmcache.format import values
 from shmcache.format.values import Value
 from shmcache.gpu.side import DeviceSide
 from shmcache.kernel.namespace import destroy_namespace
@@ -133,24 +134,22 @@ class EmbeddingCache:
     def get(self, key: EmbeddingCacheKey, request_id: RequestId | None = None) -> Value | None:
         """The cached value of `key` or None. With `request_id`, the entry is referenced until
         `cleanup_request(request_id)`: it survives TTL expiry and eviction pressure until then."""
+        needle = arguments.request_needle(key, request_id, self.config.hash_algorithm)
         if not self._enabled:
             return None
-        if request_id is not None:
-            arguments.check_request(request_id)
         self._index()
-        return self._views.lookup(key, arguments.needle(key, self.config.hash_algorithm), request_id)
+        return self._views.lookup(key, needle, request_id)
 
     def get_many(
         self, keys: Sequence[EmbeddingCacheKey], request_id: RequestId | None = None
     ) -> list[Value | None]:
         """`get` of a request's items in key order (None: a miss), the node lookups in one native
         call; every key is checked first (a list or tuple), each hit pinned as `get` pins it."""
-        arguments.check_keys(keys)
+        needles = arguments.request_needles(keys, request_id, self.config.hash_algorithm)
         if not self._enabled:
             return [None] * len(keys)
-        arguments.check_request(request_id)
         self._index()
-        return self._views.lookup_many(keys, arguments.needles(keys, self.config.hash_algorithm), request_id)
+        return self._views.lookup_many(keys, needles, request_id)
 
     def put(self, key: EmbeddingCacheKey, value: Value, request_id: RequestId | None = None) -> None:
         """Store `value` under `key`. The first writer wins: an existing or in-flight entry is kept.
@@ -158,11 +157,12 @@ class EmbeddingCache:
         Raises `CapacityError` if it cannot be stored (larger than the cache, or all referenced;
         `PinLimitReached`: stored, `request_id` cannot hold it), `UnsupportedValue` if unsupported.
         """
+        needle = arguments.request_needle(key, request_id, self.config.hash_algorithm)
         if not self._enabled:
+            values.plan(value)  # refused as an enabled cache would refuse it
             return
-        arguments.check_request(request_id)
         self._index()
-        self._claims.put(key, self._needle(key), value, request_id)
+        self._claims.put(key, needle, value, request_id)
 
     def get_or_compute(
         self, key: EmbeddingCacheKey, compute_fn: Callable[[], Value], request_id: RequestId | None = None
@@ -176,6 +176,7 @@ class EmbeddingCache:
         """
         arguments.check_callable("compute_fn", compute_fn)
         if not self._enabled:
+            arguments.request_needle(key, request_id, self.config.hash_algorithm)
             return compute_fn()
         with self.reserve(key, request_id) as res:
             if res.value is not None:
@@ -206,21 +207,21 @@ class EmbeddingCache:
         Blocks while another thread or process holds the reservation, at most `compute_timeout_s`
         (then `ComputeTimeout`). Raises `ComputeFailed` if that holder failed.
         """
+        needle = arguments.request_needle(key, request_id, self.config.hash_algorithm)
         if not self._enabled:
             return Reservation(None, key, request_id)
-        arguments.check_request(request_id)
         self._index()
-        res = self._claims.claim(key, self._needle(key), request_id, wait=True, pull=True)
+        res = self._claims.claim(key, needle, request_id, wait=True, pull=True)
         assert res is not None
         return res
 
     def try_reserve(self, key: EmbeddingCacheKey, request_id: RequestId | None = None) -> Reservation | None:
         """`reserve` without waiting: None while another computes `key`; no remote pull (schedulers)."""
+        needle = arguments.request_needle(key, request_id, self.config.hash_algorithm)
         if not self._enabled:
             return Reservation(None, key, request_id)
-        arguments.check_request(request_id)
         self._index()
-        return self._claims.claim(key, self._needle(key), request_id, wait=False)
+        return self._claims.claim(key, needle, request_id, wait=False)
 
     def try_reserve_many(
         self,
@@ -234,12 +235,10 @@ class EmbeddingCache:
         the rest leased across nodes (single flight). `lease` off (a caller computing for itself
         alone): no lease taken, a key another node leased still None. `counted` off: no hit or
         miss counted (the caller's own `get_many` of these keys counted them)."""
-        arguments.check_keys(keys)
+        needles = arguments.request_needles(keys, request_id, self.config.hash_algorithm)
         if not self._enabled:
             return [Reservation(None, key, request_id) for key in keys]
-        arguments.check_request(request_id)
         self._index()
-        needles = arguments.needles(keys, self.config.hash_algorithm)
         return self._claims.claim_many(keys, needles, request_id, lease=lease, counted=counted)
 
     def adopt(
@@ -248,34 +247,35 @@ class EmbeddingCache:
         """Take over the reservation another process handed out (`Reservation.hand_over`); None if
         it is not that process's any more. Commit or abandon it as if this process had made it."""
         arguments.check_ticket(ticket)
+        arguments.request_needle(key, request_id, self.config.hash_algorithm)
         if not self._enabled:
             return None
-        arguments.check_request(request_id)
         arguments.check_ticket_fits(ticket, self._index().layout)
-        self._needle(key)
         return self._claims.adopt(ticket, key, request_id)
 
     def contains(self, key: EmbeddingCacheKey) -> bool:
         """True if `key` is sealed on the node right now (lock-free: no pin, no copy, no count)."""
+        needle = self._needle(key)
         if not self._enabled:
             return False
-        return self._index().lookups.contains(self._needle(key))
+        return self._index().lookups.contains(needle)
 
     def contains_many(self, keys: Sequence[EmbeddingCacheKey]) -> list[bool]:
         """`contains` of every key, in key order, in one native call (every key checked first)."""
-        arguments.check_keys(keys)
+        needles = arguments.request_needles(keys, None, self.config.hash_algorithm)
         if not self._enabled:
             return [False] * len(keys)
-        return self._index().lookups.contains_many(arguments.needles(keys, self.config.hash_algorithm))
+        return self._index().lookups.contains_many(needles)
 
     def hold(self, key: EmbeddingCacheKey, request_id: RequestId) -> bool:
         """Reference `key`'s entry for `request_id` (until `cleanup_request`), no view, no hit
         counted: a scheduler keeps alive an entry it plans to load. False if not sealed."""
+        arguments.check_request_named(request_id)
+        needle = self._needle(key)
         if not self._enabled:
             return False
-        arguments.check_request(request_id)
         self._index()
-        return self._views.hold(self._needle(key), request_id)
+        return self._views.hold(needle, request_id)
 
     def request(self, request_id: RequestId) -> contextlib.AbstractContextManager[None]:
         """Make `request_id` the request in scope of encoder calls made inside the block: a hooked
@@ -286,9 +286,9 @@ class EmbeddingCache:
     def cleanup_request(self, request_id: RequestId) -> int:
         """Release every reference taken for `request_id` in this process; returns how many. On
         `LockTimeout` (a stripe held too long) those not released stay: call it again."""
+        arguments.check_request_named(request_id)
         if not self._enabled:
             return 0
-        arguments.check_request(request_id)
         return self._requests.release(request_id, self._index().release)
 
     def stats(self) -> dict[str, int]:

@@ -7,7 +7,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from shmcache.errors import ReservationLost
+from shmcache.errors import ArgumentTypeError, ReservationLost
 from shmcache.format.values import Value
 from shmcache.keys.key import EmbeddingCacheKey
 
@@ -111,7 +111,10 @@ class Reservation:
 
     def abandon(self, reason: str = "abandoned") -> None:
         """Give the key up: waiters are woken and the first of them computes it instead. After
-        `hand_over` this ends the reservation only if it was not adopted yet."""
+        `hand_over` this ends the reservation only if it was not adopted yet. `reason` (a str)
+        reaches the waiters in their `ComputeFailed`."""
+        if not isinstance(reason, str):
+            raise ArgumentTypeError(f"reason must be a str, got {type(reason).__name__}")
         if self._open or self._handed:
             self._open = False
             if self._holder is not None and self.slot >= 0:
