@@ -1,4 +1,4 @@
-"""Key construction speed versus raw xxh3-128 of the same buffer (target: >= 80%).
+"""Key construction speed versus raw xxh3-128 of the same buffer (target: >= 90%, issue #15).
 
 python -m tools.bench_keys [--json out.json]
 """
