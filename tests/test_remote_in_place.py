@@ -323,8 +323,10 @@ def test_a_transfer_that_hangs_sets_its_memory_aside_until_it_ends(
             assert stats["remote_set_aside"] == 1 and stats["computes"] == 1 and stats["hits_remote"] == 0
             del value
             fillers = [f"filler-{i}" for i in range(4)]
-            for name in fillers:  # they evict each other, never the memory set aside (first fit: 0)
-                b.put(key_of(name), expected_value(name, SIZE))
+            for name in fillers:  # they evict each other, never the memory set aside (first fit: 0);
+                # put by the node-local reader: a publish of b's could land in node A's stopped
+                # segment and pin its entry while it hangs (then the next put finds no room)
+                reader.put(key_of(name), expected_value(name, SIZE))
             assert b.stats()["stale"] == 1  # the memory set aside
             os.kill(node_a, signal.SIGCONT)  # the transfer goes on, into the memory set aside
             wait_for(lambda: b.stats()["stale"] == 0, timeout=60, what="the late transfer's end")
