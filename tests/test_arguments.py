@@ -81,7 +81,6 @@ def _misuses(
         (lambda: cache.get(k, request_id=["r"]), RequestIdTypeError),
         (lambda: cache.get_many([k, None]), KeyTypeError),  # type: ignore[list-item]
         (lambda: cache.put(None, torch.ones(2)), KeyTypeError),  # type: ignore[arg-type]
-        (lambda: cache.put(k, {1}), UnsupportedValue),  # type: ignore[arg-type]
         (lambda: cache.get_or_compute("k", lambda: torch.ones(2)), KeyTypeError),  # type: ignore[arg-type]
         (lambda: cache.reserve(None), KeyTypeError),  # type: ignore[arg-type]
         (lambda: cache.try_reserve(k, request_id={}), RequestIdTypeError),
@@ -107,8 +106,11 @@ def test_a_wrong_argument_type_is_the_same_type_error_enabled_or_not(
         for call, error in _misuses(cache, k):
             with pytest.raises(error):
                 call()
-        assert issubclass(KeyTypeError, TypeError) and issubclass(RequestIdTypeError, TypeError)
-        if enabled:
+        if not enabled:  # a pass-through never reads a value (a CUDA one would be copied to check it)
+            assert cache.put(k, {1}) is None  # type: ignore[func-returns-value, arg-type]
+        else:
+            with pytest.raises(UnsupportedValue):
+                cache.put(k, {1})  # type: ignore[arg-type]
             cache.flush_releases()
             stats = cache.stats()
             assert (stats["references"], stats["reserved"], stats["entries"]) == (0, 0, 1)

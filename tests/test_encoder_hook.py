@@ -22,6 +22,7 @@ from shmcache import (
     EmbeddingCache,
     EncoderPreprocessingConfig,
     InvalidKey,
+    KeyTypeError,
 )
 from shmcache.integrations.encoder import BatchedItems, CachedEncoder, PackedItems
 from shmcache.integrations.encoder.context import call_context
@@ -176,6 +177,12 @@ def test_calls_without_the_layout_are_typed_errors(config: CacheConfig) -> None:
             (ArgumentTypeError, "ItemLayout", {"items": "grid_thw"}),
             (ConfigTypeError, "EncoderPreprocessingConfig", {"preprocessing": {}}),
             (InvalidKey, "modality", {"modality": "smell"}),
+            (KeyTypeError, "modality must be a str", {"modality": 3}),
+            (
+                KeyTypeError,
+                "modality must be a str",
+                {"modality": ["image"]},
+            ),  # unhashable: no TypeError of `in`
         ]
         for error, message, wrong in bad:
             arguments: dict[str, Any] = {

@@ -118,6 +118,28 @@ def test_a_thin_client_pulls_and_publishes_through_the_holder(
         destroy_namespace(thin.namespace)
 
 
+def test_a_thin_clients_publish_unpins_its_entry_once_copied_into_its_publish_buffer(
+    shmcache_mooncake: MooncakeMaster, holder: MooncakeHolder, shmcache_namespace: str
+) -> None:
+    """The holder stopped, a thin client's put hangs, but the entry it publishes is no longer
+    pinned by it: it was copied into the holder's pool before the call. Before, the pin stayed
+    until the call answered (a stopped peer: tens of seconds of node memory held)."""
+    thin = remote_config(shmcache_namespace, shmcache_mooncake.address, remote_holder=holder.address)
+    with EmbeddingCache(thin) as cache:
+        cache.put(key_of("first"), expected_value("first", 4096))
+        wait_for(lambda: cache.stats()["remote_publishes"] == 1, what="a publish through the holder")
+        os.kill(holder.process.pid, signal.SIGSTOP)
+        try:
+            cache.put(key_of("second"), expected_value("second", 4096))
+            wait_for(lambda: cache.stats()["references"] == 0, timeout=10, what="the publish's pin back")
+            stats = cache.stats()
+            assert stats["remote_publishes"] == 1 and stats["remote_publish_drops"] == 0  # still in flight
+        finally:
+            os.kill(holder.process.pid, signal.SIGCONT)
+        wait_for(lambda: cache.stats()["remote_publishes"] == 2, timeout=60, what="the second publish")
+        assert fingerprint(cache.get(key_of("second"))) == fingerprint(expected_value("second", 4096))
+
+
 def test_a_thin_client_whose_holder_starts_late_picks_it_up_without_stalling(
     shmcache_mooncake: MooncakeMaster, shmcache_namespace: str
 ) -> None:

@@ -324,8 +324,7 @@ def test_a_transfer_that_hangs_sets_its_memory_aside_until_it_ends(
             del value
             fillers = [f"filler-{i}" for i in range(4)]
             for name in fillers:  # they evict each other, never the memory set aside (first fit: 0);
-                # put by the node-local reader: a publish of b's could land in node A's stopped
-                # segment and pin its entry while it hangs (then the next put finds no room)
+                # put node-locally: a publish of b's to A's stopped segment pinned its entry for long
                 reader.put(key_of(name), expected_value(name, SIZE))
             assert b.stats()["stale"] == 1  # the memory set aside
             os.kill(node_a, signal.SIGCONT)  # the transfer goes on, into the memory set aside

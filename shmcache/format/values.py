@@ -197,6 +197,8 @@ def _classify(value: Value) -> tuple[int, list[_Array], bytes]:
     if _is_cuda_array(value):
         return KIND_NDARRAY, [_array(value)], b""
     if isinstance(value, Mapping):
+        if len(value) > MAX_ARRAYS:  # refused before any array is read (a CUDA one is copied)
+            raise UnsupportedValue(f"a value holds at most {MAX_ARRAYS} arrays, got {len(value)}")
         arrays = []
         for name, item in value.items():
             if not isinstance(name, str):
@@ -237,8 +239,6 @@ def _metadata_json(metadata: Any) -> bytes:
 def plan(value: Value) -> EncodedValue:
     """Lay out `value` without copying its payload; raises `UnsupportedValue` for other types."""
     kind, arrays, meta = _classify(value)
-    if len(arrays) > MAX_ARRAYS:
-        raise UnsupportedValue(f"a value holds at most {MAX_ARRAYS} arrays, got {len(arrays)}")
     descriptors = []
     for array in arrays:
         dtype_raw, name_raw = array.dtype.encode(), array.name.encode()

@@ -20,7 +20,8 @@ until this process detaches or dies; the caller looks the key up again.
 A thin client of the node's holder can only transfer through the holder's pool: its pulls land
 in a pool buffer and are copied after verification. Many misses of one request are pulled in one
 `batch_get_into` (`pull_many`, through the pull buffer). A publish pins the entry until the store
-has read it, and never blocks (store.py's bounded queue).
+has read it (a thin client: copied it into its publish buffer; else: put it), and never blocks
+(store.py's bounded queue).
 """
 
 from __future__ import annotations
@@ -315,13 +316,12 @@ class RemoteBridge:
         node, slot, gen = self._node, sealed.slot, sealed.gen
         held = self._leases.pop((slot, gen), None)
 
-        def unpublished() -> None:
+        def over(stored: bool = False) -> None:  # stored or not, the lease goes
             if held is not None:
                 lease.release(self.store, held)
 
-        def done(stored: bool) -> None:
+        def read() -> None:  # the store read the entry (a thin client: into its publish buffer)
             node.release([(slot, gen)])
-            unpublished()
 
         if not self.store.available:  # the store does not answer: the lease cannot be removed either
             node.count(Counter.REMOTE_PUBLISH_DROPS)
@@ -329,15 +329,16 @@ class RemoteBridge:
         try:
             if not node.add_ref(slot, gen):  # evicted already
                 node.count(Counter.REMOTE_PUBLISH_DROPS)
-                unpublished()
+                over()
                 return
         except Exception as exc:  # out of pins, a lock timeout: the value is stored, skip the publish
             node.count(Counter.REMOTE_PUBLISH_DROPS)
             log.info("shmcache: not publishing %r: %s", key, str(exc))
-            unpublished()
+            over()
             return
         name = remote_key(self._prefix, key)
         self._sizes.saw(key, sealed.size)
         address = self._arena_address + sealed.offset
-        if not self.store.publish(name, address, sealed.size, done):
-            done(False)
+        if not self.store.publish(name, address, sealed.size, read, over):
+            read()
+            over()

@@ -140,16 +140,21 @@ class Staging:
                 return loan.buffer
         return None
 
-    def put_from(self, name: str, address: int, nbytes: int) -> int:
+    def put_from(self, name: str, address: int, nbytes: int, read: Callable[[], None]) -> int:
         """`put_from` of [address, address + nbytes): straight from there with our own segment,
-        through the publish buffer as a thin client (`TOO_LARGE` if it cannot hold it)."""
+        through the publish buffer as a thin client (`TOO_LARGE` if it cannot hold it). `read()`
+        runs once nothing reads that memory any more: after the put with our own segment, after
+        the copy into the publish buffer as a thin client (not when the call raised)."""
         if not self.pooled:
-            return int(self._client.put_from(name, address, nbytes))
+            rc = int(self._client.put_from(name, address, nbytes))
+            read()
+            return rc
         with self._publish_lock:  # one publish at a time through it
             buffer = self._publish_buffer(nbytes)
             if buffer is None:
                 return TOO_LARGE
             ctypes.memmove(int(buffer.ctypes.data), address, nbytes)
+            read()
             return int(self._client.put_from(name, int(buffer.ctypes.data), nbytes))
 
     def _publish_buffer(self, size: int) -> np.ndarray | None:

@@ -71,6 +71,20 @@ def remote_key(prefix: str, key: EmbeddingCacheKey) -> str:
     return f"{prefix}@v{KEY_SCHEMA_VERSION}@{key.algorithm}@{key.hex}"
 
 
+Done = Callable[[bool], None]  # a publish's end: `done(stored)`
+
+
+def once(call: Callable[[], None]) -> Callable[[], None]:
+    """`call`, run by the first call of what this returns only."""
+    pending = [call]
+
+    def first() -> None:
+        if pending:
+            pending.pop()()
+
+    return first
+
+
 class RemoteStore:
     """One process's Mooncake client, with a bounded asynchronous publisher.
 
@@ -285,10 +299,11 @@ class RemoteStore:
             staging.give_back(loan)  # else a failed transfer may still write into its part of it
         return found, larger
 
-    def publish(self, name: str, address: int, nbytes: int, done: Callable[[bool], None]) -> bool:
-        """Queue `put_from(name, address, nbytes)`; `done(stored)` runs after it.
-
-        Never blocks: a full queue or an unavailable store drops it (counted) and returns False."""
+    def publish(self, name: str, address: int, nbytes: int, read: Callable[[], None], done: Done) -> bool:
+        """Queue `put_from(name, address, nbytes)`: `read()` once that memory is not read any more
+        (a thin client's copy into its publish buffer, else the put's end), `done(stored)` after
+        the put, each exactly once. Never blocks: a full queue or an unavailable store drops it
+        (counted) and returns False (then neither runs)."""
         if not self.available:
             self._count(Counter.REMOTE_PUBLISH_DROPS, 1)
             return False
@@ -302,21 +317,21 @@ class RemoteStore:
                 )
             return False
         try:
-            self._executor.submit(self._put, name, address, nbytes, done)
+            self._executor.submit(self._put, name, address, nbytes, read, done)
         except RuntimeError:  # shut down
             self._slots.release()
             self._count(Counter.REMOTE_PUBLISH_DROPS, 1)
             return False
         return True
 
-    def _put(self, name: str, address: int, nbytes: int, done: Callable[[bool], None]) -> None:
-        stored = False
+    def _put(self, name: str, address: int, nbytes: int, read: Callable[[], None], done: Done) -> None:
+        stored, read_once = False, once(read)
         try:
             staging = self.staging
             if staging is None or not self.health.up:
                 self._count(Counter.REMOTE_PUBLISH_DROPS, 1)  # an outage began since it was queued
                 return
-            rc = staging.put_from(name, address, nbytes)
+            rc = staging.put_from(name, address, nbytes, read_once)
             stored = rc == 0
             if stored:
                 self._count(Counter.REMOTE_PUBLISHES, 1)
@@ -333,6 +348,7 @@ class RemoteStore:
             log.debug("shmcache: publish of %s failed: %s", name, str(exc))
         finally:
             self._slots.release()
+            read_once()
             done(stored)
 
     def writing_node_memory(self) -> bool:

@@ -26,7 +26,14 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from shmcache.errors import ArgumentTypeError, CapacityError, ConfigTypeError, InvalidKey, PinLimitReached
+from shmcache.errors import (
+    ArgumentTypeError,
+    CapacityError,
+    ConfigTypeError,
+    InvalidKey,
+    KeyTypeError,
+    PinLimitReached,
+)
 from shmcache.format.values import Value
 from shmcache.integrations.encoder.context import opaque
 from shmcache.integrations.encoder.items import ItemCall, ItemLayout
@@ -95,6 +102,8 @@ class CachedEncoder:
             raise ConfigTypeError(
                 f"preprocessing must be an EncoderPreprocessingConfig, got {type(preprocessing).__name__}"
             )
+        if not isinstance(modality, str):
+            raise KeyTypeError(f"modality must be a str, got {type(modality).__name__}")
         if modality not in MODALITIES:
             raise InvalidKey(f"modality must be one of {MODALITIES}, got {short_repr(modality)}")
         self.cache, self.encoder, self.items = cache, encoder, items
