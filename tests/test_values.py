@@ -11,12 +11,20 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shmcache import CorruptValue, HiddenStatePrefix, UnsupportedValue
+from shmcache import (
+    CacheConfig,
+    CorruptValue,
+    EmbeddingCache,
+    EmbeddingCacheKey,
+    HiddenStatePrefix,
+    UnsupportedValue,
+)
 from shmcache.format import _arrays
 from shmcache.format.decode import aliasing, as_byte_array, decode, parse
 from shmcache.format.values import ALIGNMENT, DESCRIPTOR, DIM, HEADER, encode, plan
 from shmcache.keys.dtypes import _torch_dtypes
 from shmcache.process.mappings import Mapping
+from shmcache.testing import sample_preprocessing
 
 
 def _bits(t: torch.Tensor) -> bytes:
@@ -231,11 +239,16 @@ def test_values_that_cannot_be_stored_are_typed_errors() -> None:
         assert len(str(raised.value)) < 200
 
 
-def test_a_value_of_more_arrays_than_a_reader_accepts_is_refused_at_put() -> None:
+def test_a_value_of_more_arrays_than_a_reader_accepts_is_refused_at_put(config: CacheConfig) -> None:
     """A dict past `MAX_ARRAYS` was stored, then dropped as corrupt by every reader."""
     from shmcache.format.values import MAX_ARRAYS
 
     most = {f"a{i}": np.zeros(0, np.uint8) for i in range(MAX_ARRAYS)}
     assert len(decode(encode(most))) == MAX_ARRAYS  # type: ignore[arg-type]
-    with pytest.raises(UnsupportedValue, match=f"at most {MAX_ARRAYS} arrays"):
-        plan({**most, "one more": np.zeros(0, np.uint8)})
+    key = EmbeddingCacheKey.from_raw_bytes(b"many", sample_preprocessing(), modality="image")
+    with EmbeddingCache(config) as cache:
+        with pytest.raises(UnsupportedValue, match=f"at most {MAX_ARRAYS} arrays"):
+            cache.put(key, {**most, "one more": np.zeros(0, np.uint8)})
+        stats = cache.stats()
+        assert (stats["entries"], stats["reserved"], stats["corrupt_records"]) == (0, 0, 0)
+        assert cache.get(key) is None

@@ -262,7 +262,8 @@ class EmbeddingCache:
 
     def contains_many(self, keys: Sequence[EmbeddingCacheKey]) -> list[bool]:
         """`contains` of every key, in key order, in one native call (every key checked first)."""
-        needles = arguments.request_needles(keys, None, self.config.hash_algorithm)
+        arguments.check_keys(keys)
+        needles = arguments.needles(keys, self.config.hash_algorithm)
         if not self._enabled:
             return [False] * len(keys)
         return self._index().lookups.contains_many(needles)
