@@ -10,7 +10,6 @@ import os
 import signal
 import time
 import uuid
-from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -91,18 +90,13 @@ def test_a_copy_outlives_the_worker_that_published_it(tmp_path: Path) -> None:
             destroy_namespace(config.namespace)
 
 
-@pytest.fixture
-def holder(shmcache_mooncake: MooncakeMaster) -> Iterator[MooncakeHolder]:
-    running = MooncakeHolder(shmcache_mooncake)
-    yield running
-    running.kill()
-
-
 def test_a_thin_client_pulls_and_publishes_through_the_holder(
-    shmcache_mooncake: MooncakeMaster, holder: MooncakeHolder, shmcache_namespace: str
+    shmcache_mooncake: MooncakeMaster, shmcache_mooncake_holder: MooncakeHolder, shmcache_namespace: str
 ) -> None:
     own = remote_config(shmcache_namespace, shmcache_mooncake.address)
-    thin = dataclasses.replace(own, namespace=f"node-c-{uuid.uuid4().hex[:10]}", remote_holder=holder.address)
+    thin = dataclasses.replace(
+        own, namespace=f"node-c-{uuid.uuid4().hex[:10]}", remote_holder=shmcache_mooncake_holder.address
+    )
     try:
         with EmbeddingCache(own) as a, EmbeddingCache(thin) as c:
             a.get_or_compute(key_of("from-a"), lambda: expected_value("from-a", 4096))
@@ -119,23 +113,25 @@ def test_a_thin_client_pulls_and_publishes_through_the_holder(
 
 
 def test_a_thin_clients_publish_unpins_its_entry_once_copied_into_its_publish_buffer(
-    shmcache_mooncake: MooncakeMaster, holder: MooncakeHolder, shmcache_namespace: str
+    shmcache_mooncake: MooncakeMaster, shmcache_mooncake_holder: MooncakeHolder, shmcache_namespace: str
 ) -> None:
     """The holder stopped, a thin client's put hangs, but the entry it publishes is no longer
     pinned by it: it was copied into the holder's pool before the call. Before, the pin stayed
     until the call answered (a stopped peer: tens of seconds of node memory held)."""
-    thin = remote_config(shmcache_namespace, shmcache_mooncake.address, remote_holder=holder.address)
+    thin = remote_config(
+        shmcache_namespace, shmcache_mooncake.address, remote_holder=shmcache_mooncake_holder.address
+    )
     with EmbeddingCache(thin) as cache:
         cache.put(key_of("first"), expected_value("first", 4096))
         wait_for(lambda: cache.stats()["remote_publishes"] == 1, what="a publish through the holder")
-        os.kill(holder.process.pid, signal.SIGSTOP)
+        os.kill(shmcache_mooncake_holder.process.pid, signal.SIGSTOP)
         try:
             cache.put(key_of("second"), expected_value("second", 4096))
             wait_for(lambda: cache.stats()["references"] == 0, timeout=10, what="the publish's pin back")
             stats = cache.stats()
             assert stats["remote_publishes"] == 1 and stats["remote_publish_drops"] == 0  # still in flight
         finally:
-            os.kill(holder.process.pid, signal.SIGCONT)
+            os.kill(shmcache_mooncake_holder.process.pid, signal.SIGCONT)
         wait_for(lambda: cache.stats()["remote_publishes"] == 2, timeout=60, what="the second publish")
         assert fingerprint(cache.get(key_of("second"))) == fingerprint(expected_value("second", 4096))
 
@@ -170,10 +166,12 @@ def test_a_bad_client_ttl_is_refused_before_anything_starts(ttl: object) -> None
 
 
 def test_a_pull_buffer_given_back_after_a_clean_answer_is_handed_out_again(
-    shmcache_mooncake: MooncakeMaster, holder: MooncakeHolder
+    shmcache_mooncake: MooncakeMaster, shmcache_mooncake_holder: MooncakeHolder
 ) -> None:
     config = CacheConfig(
-        remote_master=shmcache_mooncake.address, remote_holder=holder.address, remote_buffer_bytes=2 << 20
+        remote_master=shmcache_mooncake.address,
+        remote_holder=shmcache_mooncake_holder.address,
+        remote_buffer_bytes=2 << 20,
     )
     store = RemoteStore(config, lambda counter, n: None)
     try:
@@ -191,7 +189,7 @@ def test_a_pull_buffer_given_back_after_a_clean_answer_is_handed_out_again(
 
 
 def test_an_interrupt_anywhere_after_a_timed_out_fetch_keeps_its_buffer_lent(
-    shmcache_mooncake: MooncakeMaster, holder: MooncakeHolder
+    shmcache_mooncake: MooncakeMaster, shmcache_mooncake_holder: MooncakeHolder
 ) -> None:
     """A thin client's fetch on a hung master outlives its wait (the transfer may still write its
     pull buffer); an interrupt at each line after its answer came back in turn. Each time the
@@ -200,7 +198,7 @@ def test_an_interrupt_anywhere_after_a_timed_out_fetch_keeps_its_buffer_lent(
     may still write."""
     config = CacheConfig(
         remote_master=shmcache_mooncake.address,
-        remote_holder=holder.address,
+        remote_holder=shmcache_mooncake_holder.address,
         remote_buffer_bytes=2 << 20,
         remote_timeout_s=0.5,
         store_unavailable_mode="strict",
@@ -244,14 +242,14 @@ def test_an_interrupt_anywhere_after_a_timed_out_fetch_keeps_its_buffer_lent(
     "answer", [4096, 100, TRANSFER_FAILED, None], ids=["all-bytes", "short", "failed", "failed-outright"]
 )
 def test_a_pull_buffer_set_aside_comes_back_only_after_its_late_call_moved_every_byte(
-    shmcache_mooncake: MooncakeMaster, holder: MooncakeHolder, answer: int | None
+    shmcache_mooncake: MooncakeMaster, shmcache_mooncake_holder: MooncakeHolder, answer: int | None
 ) -> None:
     """A thin client's one pull buffer (half the holder's pool), lent to a transfer call that
     then outlived its wait: handed out again once that call returned every byte, never
     otherwise."""
     config = CacheConfig(
         remote_master=shmcache_mooncake.address,
-        remote_holder=holder.address,
+        remote_holder=shmcache_mooncake_holder.address,
         remote_buffer_bytes=2 << 20,
         store_unavailable_mode="strict",
     )
@@ -337,13 +335,15 @@ class BatchAnswer:
 
 
 def test_a_batch_pull_whose_answer_also_names_the_master_gone_keeps_its_buffer_lent(
-    shmcache_mooncake: MooncakeMaster, holder: MooncakeHolder
+    shmcache_mooncake: MooncakeMaster, shmcache_mooncake_holder: MooncakeHolder
 ) -> None:
     """One item's transfer failed with an unexpected code (it may still write into its part of
     the pull buffer), the other's master was gone: an outage begins, and the buffer stays lent
     (the whole answer read as "master gone" handed it out again before)."""
     config = CacheConfig(
-        remote_master=shmcache_mooncake.address, remote_holder=holder.address, remote_buffer_bytes=2 << 20
+        remote_master=shmcache_mooncake.address,
+        remote_holder=shmcache_mooncake_holder.address,
+        remote_buffer_bytes=2 << 20,
     )
     store = RemoteStore(config, lambda counter, n: None)
     try:

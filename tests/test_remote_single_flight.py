@@ -9,7 +9,6 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -159,7 +158,7 @@ def test_a_dropped_publish_gives_the_lease_up_at_once(
             assert a.stats()["remote_outages"] == 0, "the master did not answer: nothing below is tested"
             busy = threading.Event()
             for _ in range(2):  # both publisher threads stuck, as two slow transfers would be
-                a._bridge.store._executor.submit(busy.wait, 60)
+                a._bridge.store._publisher.workers.submit(busy.wait, 60)
             a.put(key_of("filler"), expected_value("filler"))  # takes the one queue slot
             a.get_or_compute(key_of("k"), lambda: expected_value("k"))  # holds the lease; publish dropped
             assert a.stats()["remote_publish_drops"] == 1
@@ -181,14 +180,6 @@ def _lease_in_store(cache: EmbeddingCache, name: str) -> bytes | None:
     return bridge.store.get_bytes(remote_key(cache.config.remote_key_prefix, key_of(name)) + LEASE_SUFFIX)
 
 
-@pytest.fixture
-def holder(shmcache_mooncake: MooncakeMaster) -> Iterator[MooncakeHolder]:
-    """Node A's store holder: what its workers publish outlives them, as in a deployment."""
-    running = MooncakeHolder(shmcache_mooncake)
-    yield running
-    running.kill()
-
-
 @pytest.mark.parametrize(
     ("fail", "giver_withdraws"),
     [(False, False), (True, False), (False, True)],
@@ -196,7 +187,7 @@ def holder(shmcache_mooncake: MooncakeMaster) -> Iterator[MooncakeHolder]:
 )
 def test_a_lease_goes_with_the_reservation_handed_over(
     shmcache_mooncake: MooncakeMaster,
-    holder: MooncakeHolder,
+    shmcache_mooncake_holder: MooncakeHolder,
     shmcache_namespace: str,
     other_namespace: str,
     tmp_path: Path,
@@ -210,7 +201,10 @@ def test_a_lease_goes_with_the_reservation_handed_over(
     import dataclasses
 
     config = remote_config(
-        shmcache_namespace, shmcache_mooncake.address, compute_timeout_s=60.0, remote_holder=holder.address
+        shmcache_namespace,
+        shmcache_mooncake.address,
+        compute_timeout_s=60.0,
+        remote_holder=shmcache_mooncake_holder.address,
     )
     with (
         EmbeddingCache(config) as a,
@@ -260,7 +254,7 @@ def test_a_handed_over_reservation_abandoned_before_its_adoption_removes_its_lea
 )
 def test_a_lease_our_node_took_is_taken_over_at_once_when_its_taker_died(
     shmcache_mooncake: MooncakeMaster,
-    holder: MooncakeHolder,
+    shmcache_mooncake_holder: MooncakeHolder,
     shmcache_namespace: str,
     tmp_path: Path,
     batch: bool,
@@ -272,7 +266,10 @@ def test_a_lease_our_node_took_is_taken_over_at_once_when_its_taker_died(
     One that takes no lease (an `ec_consumer` engine) removes the orphan: other nodes would
     otherwise wait for its deadline."""
     config = remote_config(
-        shmcache_namespace, shmcache_mooncake.address, compute_timeout_s=60.0, remote_holder=holder.address
+        shmcache_namespace,
+        shmcache_mooncake.address,
+        compute_timeout_s=60.0,
+        remote_holder=shmcache_mooncake_holder.address,
     )
     ready = tmp_path / "ready"
     with EmbeddingCache(config) as cache:  # attached throughout, as another engine or `shmcache hold`

@@ -35,7 +35,7 @@ def test_queue_full_logs_a_warning_and_drops_the_publish_without_blocking(
         assert remote is not None and remote.available
         busy = threading.Event()
         for _ in range(2):  # occupy both publisher threads, as two slow transfers would
-            remote._executor.submit(busy.wait, 30)
+            remote._publisher.workers.submit(busy.wait, 30)
         started = time.monotonic()
         for i in range(5):
             cache.put(key_of(f"bulk-{i}"), torch.full((1 << 20,), i, dtype=torch.uint8))

@@ -28,14 +28,17 @@ import ctypes
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 import numpy as np
 
-__all__ = ["TOO_LARGE", "LateCall", "Loan", "Staging"]
+__all__ = ["ABANDONED", "TOO_LARGE", "LateCall", "Loan", "Reading", "Staging"]
 
 TOO_LARGE: Final = 1  # not a Mooncake code: a value larger than the thin client's publish buffer
+ABANDONED: Final = 2  # not a Mooncake code: the publish was ended before it read node memory
+Reading = Callable[[], AbstractContextManager[bool]]  # a publish's reading part: may it read
 
 
 @dataclass(frozen=True)
@@ -140,21 +143,22 @@ class Staging:
                 return loan.buffer
         return None
 
-    def put_from(self, name: str, address: int, nbytes: int, read: Callable[[], None]) -> int:
+    def put_from(self, name: str, address: int, nbytes: int, reading: Reading) -> int:
         """`put_from` of [address, address + nbytes): straight from there with our own segment,
-        through the publish buffer as a thin client (`TOO_LARGE` if it cannot hold it). `read()`
-        runs once nothing reads that memory any more: after the put with our own segment, after
-        the copy into the publish buffer as a thin client (not when the call raised)."""
+        through the publish buffer as a thin client (`TOO_LARGE` if it cannot hold it). The memory
+        is read inside `reading()` only: the whole put with our own segment, the copy into the
+        publish buffer as a thin client; if it yields False nothing is put (`ABANDONED`)."""
         if not self.pooled:
-            rc = int(self._client.put_from(name, address, nbytes))
-            read()
-            return rc
+            with reading() as may:
+                return int(self._client.put_from(name, address, nbytes)) if may else ABANDONED
         with self._publish_lock:  # one publish at a time through it
             buffer = self._publish_buffer(nbytes)
             if buffer is None:
                 return TOO_LARGE
-            ctypes.memmove(int(buffer.ctypes.data), address, nbytes)
-            read()
+            with reading() as may:
+                if not may:
+                    return ABANDONED
+                ctypes.memmove(int(buffer.ctypes.data), address, nbytes)
             return int(self._client.put_from(name, int(buffer.ctypes.data), nbytes))
 
     def _publish_buffer(self, size: int) -> np.ndarray | None:

@@ -11,8 +11,9 @@ get no TTL of ours: Mooncake's own LRU eviction (at its high watermark) and the 
 lifetime bound them. A remote hit re-seeds the node copy, whose TTL starts afresh; nothing touches
 the remote copy on a hit.
 
-Outages (a master killed, restarted, hung) are survived: see `health.py`; a lookup or a pull
-never waits longer than `remote_timeout_s`.
+Outages (a master killed, restarted, hung) are survived: see `health.py`; each store call a
+lookup or a pull makes (a pull makes up to three: a guessed `get_into`, `get_size`, `get_into`)
+waits at most `remote_timeout_s`, and the first that gets no answer ends the remote steps.
 
 Values in the store are exactly node entries (entry header + encoded value); every pull verifies
 magic, length and key digest, so a corrupt or foreign value is a counted miss, never data.
@@ -26,6 +27,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -55,8 +57,9 @@ from shmcache.remote.answers import (
 )
 from shmcache.remote.connection import Connection, leave_to_exit
 from shmcache.remote.health import Health
+from shmcache.remote.publisher import Done, Publisher
 from shmcache.remote.registered import NodeMemory
-from shmcache.remote.staging import TOO_LARGE, Loan, Staging
+from shmcache.remote.staging import Loan, Staging
 
 __all__ = ["RemoteStore", "remote_key"]
 
@@ -69,20 +72,6 @@ PROBE_KEY = "shmcache@probe"  # the recovery probe's 1-byte value (first writer 
 def remote_key(prefix: str, key: EmbeddingCacheKey) -> str:
     """`<prefix>@v<schema>@<algorithm>@<digest hex>`: the same on every node."""
     return f"{prefix}@v{KEY_SCHEMA_VERSION}@{key.algorithm}@{key.hex}"
-
-
-Done = Callable[[bool], None]  # a publish's end: `done(stored)`
-
-
-def once(call: Callable[[], None]) -> Callable[[], None]:
-    """`call`, run by the first call of what this returns only."""
-    pending = [call]
-
-    def first() -> None:
-        if pending:
-            pending.pop()()
-
-    return first
 
 
 class RemoteStore:
@@ -106,11 +95,12 @@ class RemoteStore:
         self._running: dict[Future[Any], bool] = {}  # calls not done yet: do they write node memory
         self._submitting, self._closing = threading.Lock(), False
         self.staging: Staging | None = None
-        self._warned_full, self._node_memory = False, NodeMemory(thin=self._holder is not None)
-        self._slots = threading.BoundedSemaphore(config.remote_publish_queue)
-        self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="shmcache-publish")
+        self._node_memory = NodeMemory(thin=self._holder is not None)
         self._calls = ThreadPoolExecutor(max_workers=4, thread_name_prefix="shmcache-remote")
         self.health = Health(master, self._answers, count)
+        self._publisher = Publisher(
+            config.remote_publish_queue, self._timeout, self.health, lambda: self.staging, count
+        )
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", config.remote_local_host)  # read once, as Mooncake loads
         self._connection = Connection(config, self._ready)
         why = self._connection.connect(child_first=False)
@@ -300,69 +290,29 @@ class RemoteStore:
         return found, larger
 
     def publish(self, name: str, address: int, nbytes: int, read: Callable[[], None], done: Done) -> bool:
-        """Queue `put_from(name, address, nbytes)`: `read()` once that memory is not read any more
-        (a thin client's copy into its publish buffer, else the put's end), `done(stored)` after
-        the put, each exactly once. Never blocks: a full queue or an unavailable store drops it
-        (counted) and returns False (then neither runs)."""
+        """Queue `put_from(name, address, nbytes)` (`publisher.py`): `read()` once that memory is
+        not read any more (a thin client's copy into its publish buffer, else the put's end),
+        `done(stored)` after the put, each exactly once. Never blocks: a full queue or an
+        unavailable store drops it (counted) and returns False (then neither runs)."""
         if not self.available:
             self._count(Counter.REMOTE_PUBLISH_DROPS, 1)
             return False
-        if not self._slots.acquire(blocking=False):
-            self._count(Counter.REMOTE_PUBLISH_DROPS, 1)
-            if not self._warned_full:  # once: the counter tells how many more
-                self._warned_full = True
-                log.warning(
-                    "shmcache: publish queue full, dropping publishes (counted as remote_publish_drops): %s",
-                    name,
-                )
-            return False
-        try:
-            self._executor.submit(self._put, name, address, nbytes, read, done)
-        except RuntimeError:  # shut down
-            self._slots.release()
-            self._count(Counter.REMOTE_PUBLISH_DROPS, 1)
-            return False
-        return True
-
-    def _put(self, name: str, address: int, nbytes: int, read: Callable[[], None], done: Done) -> None:
-        stored, read_once = False, once(read)
-        try:
-            staging = self.staging
-            if staging is None or not self.health.up:
-                self._count(Counter.REMOTE_PUBLISH_DROPS, 1)  # an outage began since it was queued
-                return
-            rc = staging.put_from(name, address, nbytes, read_once)
-            stored = rc == 0
-            if stored:
-                self._count(Counter.REMOTE_PUBLISHES, 1)
-            elif rc == TOO_LARGE:
-                self._count(Counter.REMOTE_PUBLISH_DROPS, 1)
-                log.debug("shmcache: %s is larger than the publish buffer, not published", name)
-            elif rc in MASTER_GONE:
-                self._count(Counter.REMOTE_PUBLISH_DROPS, 1)
-                self.health.down(f"Mooncake master {self.master} stopped answering (rc {rc})")
-            else:
-                self._count(Counter.REMOTE_ERRORS, 1)
-        except Exception as exc:  # a publish must never take the process down
-            self._count(Counter.REMOTE_ERRORS, 1)
-            log.debug("shmcache: publish of %s failed: %s", name, str(exc))
-        finally:
-            self._slots.release()
-            read_once()
-            done(stored)
+        return self._publisher.submit(name, address, nbytes, read, done)
 
     def writing_node_memory(self) -> bool:
         """Whether a call that writes node memory is still running."""
         return any(writes and not future.done() for future, writes in list(self._running.items()))
 
     def close(self, drain_s: float = 0.0) -> bool:
-        """Stop probing, finish queued publishes, wait up to `drain_s` for the calls still writing
-        node memory (it is freed with the cache), then disconnect if no call runs any more (a
-        client closed under a transfer crashes the process) and the master answers (Mooncake's
-        close waits 60 s for one that does not): True if the client was closed."""
+        """Stop probing, finish queued publishes while the store answers (`Publisher.close`), wait
+        up to `drain_s` for the calls still writing node memory (it is freed with the cache), then
+        disconnect if no call runs any more (a client closed under a transfer crashes the
+        process) and the master answers (Mooncake's close waits 60 s for one that does not):
+        True if the client was closed."""
         self._connection.close()  # first: a prober in a child set-up ends it, and the join is short
         self.health.close()
-        self._executor.shutdown(wait=True)
+        deadline = time.monotonic() + drain_s
+        published = self._publisher.close(drain_s)
         if self.available:  # Mooncake's close waits 60 s for a master that does not answer: ask first
             self._call("get_size", PROBE_KEY)
         with self._submitting:
@@ -373,10 +323,13 @@ class RemoteStore:
             ]
         writing = [future for future, writes in running if writes]
         try:
-            futures_wait(writing, timeout=drain_s)  # the memory they write is freed with the cache
+            # the memory they write is freed with the cache
+            futures_wait(writing, timeout=max(deadline - time.monotonic(), 0.0))
         except BaseException:  # interrupted: what runs on keeps the client until the exit
             leave_to_exit(self._client, self.staging, "the close was interrupted")
             raise
+        if not published:
+            return leave_to_exit(self._client, self.staging, "a publish is still in Mooncake's hands")
         if any(not future.done() for future, _ in running):
             return leave_to_exit(self._client, self.staging, "a Mooncake call is still running")
         if self._client is not None and not self.health.up:

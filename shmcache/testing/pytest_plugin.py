@@ -15,6 +15,8 @@ Fixtures (all named `shmcache_*`):
 - `shmcache_mooncake`: a real `mooncake_master` on 127.0.0.1 with free ports (a
   `shmcache.testing.MooncakeMaster`: `.address`, `.kill()`), stopped after the test; skips, naming
   what is missing, if the Mooncake package or its system libraries are not installed.
+- `shmcache_mooncake_holder`: a node store holder on that master (a
+  `shmcache.testing.MooncakeHolder`: `.address` for `remote_holder`, `.process`, `.kill()`).
 
 Options (command line or ini): `--shmcache-capacity` / `shmcache_capacity_bytes` (default 64 MiB),
 `--shmcache-timeout` / `shmcache_timeout` (pool timeout, default 60 s), `--shmcache-no-leak-check` /
@@ -38,7 +40,7 @@ from shmcache.config import CacheConfig
 from shmcache.errors import ShmCacheError
 from shmcache.kernel.namespace import destroy_namespace
 from shmcache.process.cache import EmbeddingCache, open_caches
-from shmcache.testing.mooncake import MooncakeMaster
+from shmcache.testing.mooncake import MooncakeHolder, MooncakeMaster
 from shmcache.testing.pool import ProcessPool, namespace_objects
 
 T = TypeVar("T")
@@ -47,6 +49,7 @@ __all__ = [
     "shmcache_cache",
     "shmcache_config",
     "shmcache_mooncake",
+    "shmcache_mooncake_holder",
     "shmcache_namespace",
     "shmcache_pool",
 ]
@@ -133,6 +136,15 @@ def shmcache_mooncake() -> Iterator[MooncakeMaster]:
     master = MooncakeMaster()
     yield master
     master.kill()
+
+
+@pytest.fixture
+def shmcache_mooncake_holder(shmcache_mooncake: MooncakeMaster) -> Iterator[MooncakeHolder]:
+    """A node store holder (`mooncake_client`, as `shmcache remote-holder` runs it) on the test's
+    master, for thin clients (`remote_holder=holder.address`); killed after the test."""
+    holder = MooncakeHolder(shmcache_mooncake)
+    yield holder
+    holder.kill()
 
 
 @pytest.fixture
