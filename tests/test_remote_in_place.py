@@ -1,7 +1,6 @@
 """Pulls straight into node memory (a node with its own Mooncake segment): no staging copy, an
 extent sized by the last entry of the key's kind (no size lookup), and a transfer that hangs sets
-its memory aside until it can no longer write there (freed as soon as the late transfer
-completes)."""
+its memory aside until it can no longer write there (freed once the late transfer completes)."""
 
 from __future__ import annotations
 
@@ -321,6 +320,7 @@ def test_a_transfer_that_hangs_sets_its_memory_aside_until_it_ends(
             assert fingerprint(value) == fingerprint(expected_value("shared", SIZE))
             stats = b.stats()
             assert stats["remote_set_aside"] == 1 and stats["computes"] == 1 and stats["hits_remote"] == 0
+            assert stats["misses"] == 1, stats  # one lookup: counted twice before (the look again)
             del value
             fillers = [f"filler-{i}" for i in range(4)]
             for name in fillers:  # they evict each other, never the memory set aside (first fit: 0);
@@ -377,24 +377,3 @@ def test_memory_set_aside_by_a_process_that_dies_comes_back_to_the_node(
         for n, value in zip("xyz", held, strict=True):
             assert fingerprint(value) == fingerprint(expected_value(n, SIZE))
         del held, value
-
-
-def test_a_pull_from_a_publisher_that_died_gives_its_memory_back_at_once(
-    shmcache_mooncake: MooncakeMaster, shmcache_namespace: str, other_namespace: str
-) -> None:
-    """Node A published and was SIGKILLed; the master still lists its copy (for `client_ttl`).
-    Node B's pull cannot reach A's segment: Mooncake answers TRANSFER_FAIL at once, after every
-    slice ended (none started), so the extent goes back to the arena (it was set aside until
-    B's detach before) and B computes. Three entries then fit in B's room for three."""
-    master, a_ns, b_ns = shmcache_mooncake.address, shmcache_namespace, other_namespace
-    with published(master, a_ns, b_ns, "gone", remote_timeout_s=10.0) as (config_b, a):  # 10 s: a
-        kill(a)  # slow answer would be TIMED_OUT, and its memory set aside whatever it said
-        with EmbeddingCache(config_b) as b:
-            value = b.get_or_compute(key_of("gone"), lambda: expected_value("gone", SIZE))
-            assert fingerprint(value) == fingerprint(expected_value("gone", SIZE))
-            stats = b.stats()
-            assert (stats["computes"], stats["hits_remote"], stats["remote_set_aside"]) == (1, 0, 0), stats
-            assert stats["remote_errors"] >= 1 and stats["stale"] == 0
-            held = [b.get_or_compute(key_of(n), lambda n=n: expected_value(n, SIZE)) for n in "xy"]
-            assert b.stats()["uncacheable"] == 0
-            del value, held

@@ -110,7 +110,7 @@ class Claims:
                 settled = self._owned(claim, key, request_id, pull=pull, counted=counted)
                 if settled is not None:
                     return settled
-                pull = False  # the pull ended our reservation (set aside): look again, no pull
+                pull = counted = False  # the pull ended our reservation: look again (counted once)
                 continue
             if claim.kind is ClaimKind.FULL:  # every way of the stripe referenced
                 if reaped:
@@ -128,14 +128,15 @@ class Claims:
                 return Reservation(self, key, request_id)
 
     def _wait_out(self, claim: Claim, key: EmbeddingCacheKey, needle: bytes, deadline: float) -> bool:
-        """One slice of the wait on another holder's reservation `claim`; True if it ended with
-        a value that could not be stored (we compute it ourselves, uncached)."""
+        """One slice of the wait on another holder's reservation `claim`; True if we compute it
+        uncached (it ended with a value that could not be stored, or is ours: `SetAside.keeps`)."""
+        if self.bridge is not None and self.bridge.set_aside.keeps(claim.slot, claim.gen):
+            return True
         if needle in self._computing_here():
             raise ComputeReentered(f"{key!r}: asked for by its own compute (it would wait on itself)")
-        node = self._node
-        return waiting.wait_slice(node, key, claim.slot, deadline, self._config.compute_timeout_s) and (
-            waiting.failed_uncacheable(node, key, claim.slot, claim.gen)
-        )
+        node, slot = self._node, claim.slot
+        ended = waiting.wait_slice(node, key, slot, deadline, self._config.compute_timeout_s)
+        return ended and waiting.failed_uncacheable(node, key, slot, claim.gen)
 
     def _hit(
         self,
@@ -175,9 +176,9 @@ class Claims:
         counted: bool = True,
     ) -> list[Reservation | None]:
         """`claim` of every key without waiting (hits and misses counted if `counted`); then the
-        node misses we own are pulled from the remote store in one batch (under their
-        reservations), and the rest leased (single flight; with `lease` off only looked at): one
-        another node is computing is given back (None, as for a key another process holds)."""
+        node misses we own are pulled in one batch (under their reservations), and the rest leased
+        (single flight; `lease` off: only looked at): one another node is computing is given back
+        (None, as for a key another process holds)."""
         claims: list[Reservation | None] = []
         owned: dict[int, Reservation] = {}
         bridge = self.bridge
@@ -215,9 +216,8 @@ class Claims:
         return self._pulled(ours) if pull else ours
 
     def _pulled(self, res: Reservation) -> Reservation | None:
-        """Our reservation of a node miss, or the value the remote store had for it (one pull
-        per node: it runs under the reservation); None if the pull ended the reservation
-        without a value for us (`LOOK_AGAIN`)."""
+        """Our reservation of a node miss, or the value the store had for it (pulled under it: one
+        pull per node); None if the pull ended it without a value for us (`LOOK_AGAIN`)."""
         if self.bridge is None:
             return res
         try:

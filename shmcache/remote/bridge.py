@@ -104,6 +104,8 @@ class RemoteBridge:
         self._node_tag = lease.node_tag(node.segments.names.index)  # in our lease tokens
         self._leases: dict[tuple[int, int], lease.Lease] = {}  # by the (slot, gen) it covers
         self._leases_seen: dict[bytes, float] = {}  # other nodes' lease tokens: when first seen
+        self._owed: list[lease.Lease] = []  # ours to remove once the store answers again
+        self._owed_lock = threading.Lock()
         self._sizes = SizeGuesses()
         self.set_aside = SetAside(node)  # node memory our transfers may still write
 
@@ -207,6 +209,7 @@ class RemoteBridge:
         value = self.pull(reservation)
         if value is not None or not self._single_flight or not self.store.available:
             return value
+        self._settle_owed()
         name = remote_key(self._prefix, reservation.key)
         token, value = lease.hold_or_wait(
             self.store, name, self._lease_s, self._node_tag, lambda: self.pull(reservation, guess=False)
@@ -221,9 +224,12 @@ class RemoteBridge:
         `take` off (a caller computing for itself alone) only look: no lease is taken."""
         if not self._single_flight or not self.store.available:
             return True
+        self._settle_owed()
         name = remote_key(self._prefix, reservation.key)
         if not take:
-            return not lease.held_elsewhere(self.store, name, self._node_tag)
+            return not lease.held_elsewhere(
+                self.store, name, self._node_tag, self._lease_s, self._leases_seen
+            )
         token = lease.try_hold(self.store, name, self._lease_s, self._node_tag, self._leases_seen)
         if token is None:
             return False
@@ -244,6 +250,25 @@ class RemoteBridge:
         failed (a waiting node then takes over at once instead of at the lease's deadline)."""
         held = self._leases.pop((slot, gen), None)
         if held is not None and failed:
+            self._release(held)
+
+    def _release(self, held: lease.Lease) -> None:
+        """Remove our lease `held` (`lease.release`) now, or, while the store does not answer, at
+        this process's first remote step once it does: a lease left would hold other nodes up to
+        half their compute timeout."""
+        if self.store.available:
+            lease.release(self.store, held)
+            return
+        with self._owed_lock:
+            self._owed.append(held)
+
+    def _settle_owed(self) -> None:
+        """Remove the leases owed since an outage, the store answering again."""
+        if not self._owed or not self.store.available:
+            return
+        with self._owed_lock:
+            owed, self._owed = self._owed, []
+        for held in owed:
             lease.release(self.store, held)
 
     def pull_many(self, reservations: Sequence[Reservation]) -> list[Pulled]:
@@ -312,19 +337,22 @@ class RemoteBridge:
         """Queue the publish of a freshly computed entry, pinned until the store has read it.
         The lease we held for it (if any) is removed once the publish is over, stored or not:
         waiting nodes then find the value, or take over at once, never at the lease's deadline
-        (a lease may sit in a segment that outlives us while our copy of the value does not)."""
+        (a lease may sit in a segment that outlives us while our copy of the value does not);
+        while the store does not answer, once it does (`_release`)."""
+        self._settle_owed()
         node, slot, gen = self._node, sealed.slot, sealed.gen
         held = self._leases.pop((slot, gen), None)
 
         def over(stored: bool = False) -> None:  # stored or not, the lease goes
             if held is not None:
-                lease.release(self.store, held)
+                self._release(held)
 
         def read() -> None:  # the store read the entry (a thin client: into its publish buffer)
             node.release([(slot, gen)])
 
-        if not self.store.available:  # the store does not answer: the lease cannot be removed either
+        if not self.store.available:  # the store does not answer: the lease goes once it does
             node.count(Counter.REMOTE_PUBLISH_DROPS)
+            over()
             return
         try:
             if not node.add_ref(slot, gen):  # evicted already

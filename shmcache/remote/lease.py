@@ -41,8 +41,9 @@ for on the blocking path, or asked for again (the scheduler's next step); past `
 `compute_timeout_s` since this process first saw that lease, it is taken over, as on the
 blocking path.
 A caller that computes for itself alone and stores nothing (a vLLM `ec_consumer` engine) only
-looks (`held_elsewhere`): it waits for another node's live lease, takes none of its own, and
-removes an orphan of its own node (step 5) as a holder removes its lease (step 4).
+looks (`held_elsewhere`): it waits for another node's live lease, as long as the batch path
+would (`WAIT_SHARE` of `compute_timeout_s` since this process first saw it), takes none of its
+own, and removes an orphan of its own node (step 5) as a holder removes its lease (step 4).
 
 Any store error means "compute": node-local exactly-once never depends on the lease.
 """
@@ -66,6 +67,7 @@ LEASE_SUFFIX: Final = "@lease"
 WAIT_SHARE: Final = 0.5  # of compute_timeout_s: the longest a node waits for another node's lease
 POLL_S: Final = 0.05
 READ_S: Final = 2.0
+BATCH_READ_S: Final = 0.2  # the batch path's patience: a scheduler step must not wait on a lease
 RELEASE_MARGIN_S: Final = 2.0  # a lease this close to its deadline is left to expire (step 4)
 
 
@@ -120,8 +122,8 @@ def hold_or_wait(
     if not store.put_bytes(lease, mine):
         return mine, None  # the store does not answer: compute
     held = _read(store, lease)
+    give_up = time.monotonic() + WAIT_SHARE * timeout_s  # once: successive holders share it
     while held is not None and held != mine:
-        give_up = time.monotonic() + WAIT_SHARE * timeout_s  # for each token seen: a fresh takeover too
         while _waits(held, node) and time.monotonic() < give_up:
             gone = store.size_of(lease) is None  # looked up first: a holder removes its lease
             value = pull()  # only after its publish is over, so a value stored is found now
@@ -134,7 +136,11 @@ def hold_or_wait(
         if not store.upsert_bytes(lease, mine):
             return mine, None
         held = _read(store, lease)
-    value = pull()  # a holder that published and removed its lease just before we put ours
+    try:
+        value = pull()  # a holder that published and removed its lease just before we put ours
+    except BaseException:  # ours, and nobody computes under it: waiters take over at once
+        release(store, Lease(name, mine))
+        raise
     if value is not None:
         release(store, Lease(name, mine))
         return None, value
@@ -151,13 +157,14 @@ def try_hold(
     node's tag. Any store error means ours."""
     lease = name + LEASE_SUFFIX
     now = time.monotonic()
-    for old in [token for token, at in seen.items() if now - at > timeout_s]:
-        del seen[old]  # bounded: tokens older than a whole timeout are of no use any more
+    for old, at in list(seen.items()):  # `seen` is shared by the process's threads: no `del`
+        if now - at > timeout_s:
+            seen.pop(old, None)  # bounded: tokens older than a whole timeout are of no use any more
     for put in (store.put_bytes, store.upsert_bytes):  # put; over a lease not worth waiting for, upsert
         mine = _token(timeout_s, node)
         if not put(lease, mine):
             return mine
-        held = _read(store, lease)
+        held = _read(store, lease, BATCH_READ_S)
         if held is None or held == mine:
             return mine
         waited = now - seen.setdefault(held, now)
@@ -166,22 +173,30 @@ def try_hold(
     return None
 
 
-def held_elsewhere(store: RemoteStore, name: str, node: str) -> bool:
-    """Whether another node holds a live lease of `name` (one look, nothing taken; an orphaned
-    lease of our own node is removed, as `release` removes ours, so other nodes stop waiting
-    for it). `node` is our node's tag. Any store error, or a lease still being written (Mooncake
-    answers empty meanwhile), means no: the caller computes for itself, as it may."""
+def held_elsewhere(
+    store: RemoteStore, name: str, node: str, timeout_s: float, seen: dict[bytes, float]
+) -> bool:
+    """Whether another node holds a live lease of `name` worth waiting for: one look, nothing
+    taken; no once this process saw that lease `WAIT_SHARE` of `timeout_s` ago (`seen`, as for
+    `try_hold`). An orphaned lease of our own node is removed, as `release` removes ours, so
+    other nodes stop waiting for it. `node` is our node's tag. Any store error, or a lease still
+    being written (Mooncake answers empty meanwhile), means no: the caller computes for itself."""
     held = store.get_bytes(name + LEASE_SUFFIX)
-    if held is not None and _ours(held, node):
+    if held is None:
+        return False
+    if _ours(held, node):
         release(store, Lease(name, held))
         return False
-    return held is not None and _waits(held, node)
+    now = time.monotonic()
+    return _waits(held, node) and now - seen.setdefault(held, now) < WAIT_SHARE * timeout_s
 
 
-def _read(store: RemoteStore, lease: str) -> bytes | None:
+def _read(store: RemoteStore, lease: str, patience: float = READ_S) -> bytes | None:
     """The lease as stored. Mooncake's `get` answers empty while another client is still writing
-    the object (a put racing ours): look again for up to `READ_S`; None if it never shows."""
-    deadline = time.monotonic() + READ_S
+    the object (a put racing ours), and while the object sits in a dead client's segment (until
+    the master drops it, ~`client_ttl`): look again for up to `patience` seconds; None if it
+    never shows (then we compute)."""
+    deadline = time.monotonic() + patience
     while True:
         held = store.get_bytes(lease)
         if held is not None or time.monotonic() > deadline:

@@ -8,7 +8,10 @@ index, its extent kept by one pin of ours) and freed when the call that outlived
 that nothing writes there any more (the object arrived, or no transfer ran); else at the detach,
 which the store's close delays (up to `DRAIN_S`) while a transfer into node memory still runs.
 No transfer into node memory starts once the close began (`closing`).
-Without a spare pin it stays reserved (ours) until close.
+Without a spare pin (or when the set-aside fails otherwise) it stays reserved, ours, *kept*:
+abandoned (its waiters compute) when its late call answers that nothing writes there any more,
+else at close; meanwhile a claim of ours that finds it computes uncached instead of waiting on
+itself.
 An exception between the call and the reading of its answer (a KeyboardInterrupt) leaves the
 transfer unread, and the caller's exception path (`interrupted`) sets it aside before it may give
 the reservation back. `set_aside` records each step it took and leaves the unread list last, so a
@@ -83,9 +86,12 @@ class SetAside:
             transfer.set_aside = done
             node.count(Counter.REMOTE_SET_ASIDE)
         call = next(iter(transfer.calls), None)
-        if transfer.set_aside and call is not None and not transfer.watched:
+        if call is not None and not transfer.watched:
             transfer.watched = True  # first: never two callbacks, each releasing a pin
-            call.add_done_callback(lambda done: self._transfer_ended(done, slot, gen))
+            if transfer.set_aside:
+                call.add_done_callback(lambda done: self._transfer_ended(done, slot, gen))
+            else:
+                call.add_done_callback(lambda done: self._kept_transfer_ended(done, reservation))
         self._unread.remove(transfer)
 
     def _transfer_ended(self, call: Future[Any], slot: int, gen: int) -> None:
@@ -96,6 +102,22 @@ class SetAside:
             if self._closed or not LateCall(call, nothing_in_flight).ended():
                 return
             self._node.release([(slot, gen)])
+
+    def _kept_transfer_ended(self, call: Future[Any], reservation: Reservation) -> None:
+        """A kept reservation's late call returned: if nothing writes its extent any more, it is
+        abandoned (its waiters compute), no longer kept till close."""
+        with self._closing:
+            if self._closed or not LateCall(call, nothing_in_flight).ended():
+                return
+            self._kept = [kept for kept in self._kept if kept is not reservation]
+            self._node.abandon(
+                reservation.slot, reservation.gen, FailureKind.UNCACHEABLE, "a remote transfer failed"
+            )
+
+    def keeps(self, slot: int, gen: int) -> bool:
+        """Whether (slot, gen) is a reservation of ours kept while a transfer may write it: a
+        claim that finds it computes uncached instead of waiting on it (on itself)."""
+        return any(kept.slot == slot and kept.gen == gen for kept in list(self._kept))
 
     def interrupted(self, reservation: Reservation) -> bool:
         """A pull under `reservation` raised: True if the caller must not give the reservation
@@ -119,5 +141,7 @@ class SetAside:
 
     def closed(self) -> None:
         """The store's client is closed (no transfer runs any more): free what was kept reserved."""
-        for res in self._kept:
+        with self._closing:
+            kept, self._kept = self._kept, []
+        for res in kept:
             self._node.abandon(res.slot, res.gen, FailureKind.UNCACHEABLE, "a remote transfer failed")
