@@ -2,10 +2,11 @@
 review: a caller that only looks waits for another node's lease no longer than the batch path
 does; successive holders share one wait; a lease won and then left by a raising pull is removed;
 the batch path does not wait on a lease in a dead segment; a lease an outage kept from removal
-goes once the store answers."""
+goes once the store answers; the batch path looks for the value once more after winning a lease."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -22,7 +23,7 @@ from shmcache.remote.store import RemoteStore, remote_key
 from shmcache.testing import MooncakeMaster
 from tests.helpers import kill, running, wait_for
 from tests.test_remote import remote_config
-from tests.test_remote_single_flight import another_nodes_lease
+from tests.test_remote_single_flight import another_nodes_lease, lease_in_store
 from tests.workers import expected_value, key_of
 
 
@@ -159,3 +160,30 @@ def test_a_lease_an_outage_kept_from_removal_goes_once_the_store_answers(
         assert store.get_bytes(held) is not None  # nothing removed it yet
         cache.get_or_compute(key_of("other"), lambda: expected_value("other"))  # a remote step
         assert store.get_bytes(held) is None
+
+
+def test_the_batch_path_looks_once_more_after_winning_a_lease(
+    shmcache_mooncake: MooncakeMaster, shmcache_namespace: str, other_namespace: str
+) -> None:
+    """Node A computes, publishes and removes its lease between node B's batch pull (a miss) and
+    B's lease (won, A's is gone). B pulled nothing more and computed the key a second time; now
+    it looks once more, as the blocking path does, finds A's value, and gives its lease back."""
+    config_a = remote_config(shmcache_namespace, shmcache_mooncake.address)
+    config_b = dataclasses.replace(config_a, namespace=other_namespace)
+    with EmbeddingCache(config_a) as a, EmbeddingCache(config_b) as b:
+        bridge = b._bridge
+        assert bridge is not None
+        lease_now = bridge.lease_now
+
+        def after_a_published(*args: Any, **kwargs: Any) -> bool:  # B between its pull and its lease
+            a.get_or_compute(key_of("k"), lambda: expected_value("k"))
+            wait_for(lambda: a.stats()["remote_publishes"] == 1, what="A's publish")
+            wait_for(lambda: lease_in_store(a, "k") is None, what="A's lease removed")
+            return lease_now(*args, **kwargs)
+
+        bridge.lease_now = after_a_published  # type: ignore[method-assign]
+        [res] = b.try_reserve_many([key_of("k")])
+        assert res is not None and res.value is not None  # the code before: B's reservation, B computes
+        assert (b.stats()["hits_remote"], b.stats()["computes"], a.stats()["computes"]) == (1, 0, 1)
+        assert lease_in_store(b, "k") is None  # B's lease given back
+        del res

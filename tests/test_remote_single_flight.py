@@ -173,7 +173,7 @@ def test_a_dropped_publish_gives_the_lease_up_at_once(
         destroy_namespace(other.namespace)
 
 
-def _lease_in_store(cache: EmbeddingCache, name: str) -> bytes | None:
+def lease_in_store(cache: EmbeddingCache, name: str) -> bytes | None:
     """The lease of `name` as the store holds it now (None: no lease)."""
     bridge = cache._bridge
     assert bridge is not None
@@ -212,7 +212,7 @@ def test_a_lease_goes_with_the_reservation_handed_over(
     ):
         [res] = a.try_reserve_many([key_of("k")])
         assert res is not None and res.owned
-        token = _lease_in_store(a, "k")
+        token = lease_in_store(a, "k")
         assert token is not None  # the lease is ours
         ticket = res.hand_over()
         assert ticket.lease is not None and ticket.lease.token == token
@@ -223,11 +223,11 @@ def test_a_lease_goes_with_the_reservation_handed_over(
             if giver_withdraws:
                 res.withdraw()  # fenced: the worker's reservation and lease stay
             assert res.let_go()
-            assert a._bridge is not None and a._bridge.lease_of(res) is None  # forgotten here
-            assert _lease_in_store(a, "k") == token  # still held: by the worker now
+            assert a._bridge is not None and a._bridge.leases.of(res) is None  # forgotten here
+            assert lease_in_store(a, "k") == token  # still held: by the worker now
             go.touch()
             assert finished(adopter)
-        assert _lease_in_store(a, "k") is None  # removed by the worker, not left to its deadline
+        assert lease_in_store(a, "k") is None  # removed by the worker, not left to its deadline
         started = time.monotonic()
         value = b.get_or_compute(key_of("k"), lambda: expected_value("k"))
         assert time.monotonic() - started < 20  # not the 60 s deadline
@@ -241,10 +241,10 @@ def test_a_handed_over_reservation_abandoned_before_its_adoption_removes_its_lea
 ) -> None:
     with EmbeddingCache(remote_config(shmcache_namespace, shmcache_mooncake.address)) as a:
         [res] = a.try_reserve_many([key_of("k")])
-        assert res is not None and res.owned and _lease_in_store(a, "k") is not None
+        assert res is not None and res.owned and lease_in_store(a, "k") is not None
         res.hand_over()
         res.abandon("the worker never came")  # nobody adopted it: it ends here, and its lease
-        assert _lease_in_store(a, "k") is None
+        assert lease_in_store(a, "k") is None
 
 
 @pytest.mark.parametrize(
@@ -278,13 +278,13 @@ def test_a_lease_our_node_took_is_taken_over_at_once_when_its_taker_died(
             wait_for(ready.exists, what="the victim's reservation and lease")
         finally:
             kill(victim)
-        assert _lease_in_store(cache, "k") is not None  # the dead process's lease outlived it
+        assert lease_in_store(cache, "k") is not None  # the dead process's lease outlived it
         started = time.monotonic()
         if batch:
             [res] = cache.try_reserve_many([key_of("k")], lease=take)
             assert res is not None and res.owned  # not given back as another node's compute
             if not take:
-                assert _lease_in_store(cache, "k") is None  # the orphan is gone
+                assert lease_in_store(cache, "k") is None  # the orphan is gone
             value = res.commit(expected_value("k"))
         else:
             value = cache.get_or_compute(key_of("k"), lambda: expected_value("k"))

@@ -177,8 +177,8 @@ class Claims:
     ) -> list[Reservation | None]:
         """`claim` of every key without waiting (hits and misses counted if `counted`); then the
         node misses we own are pulled in one batch (under their reservations), and the rest leased
-        (single flight; `lease` off: only looked at): one another node is computing is given back
-        (None, as for a key another process holds)."""
+        (single flight; `lease` off: only looked at; `RemoteBridge.pull_or_lease_many`): one
+        another node is computing is given back (None, as for a key another process holds)."""
         claims: list[Reservation | None] = []
         owned: dict[int, Reservation] = {}
         bridge = self.bridge
@@ -190,15 +190,12 @@ class Claims:
                     owned[i] = res
             if bridge is None or not owned:
                 return claims
-            pulled = bridge.pull_many(list(owned.values()))
+            pulled = bridge.pull_or_lease_many(list(owned.values()), take=lease)
             for i, value in zip(owned, pulled, strict=True):
-                if value is LOOK_AGAIN:
-                    claims[i] = None  # no longer ours, not a value for us: as a key another process holds
+                if value is LOOK_AGAIN:  # no longer ours, not a value for us (another node may
+                    claims[i] = None  # compute it): as a key another process holds
                 elif value is not None:
                     claims[i] = Reservation(None, keys[i], request_id, value=value)
-                elif not bridge.lease_now(owned[i], take=lease):
-                    owned[i].withdraw()  # another node computes it: wait for it on the blocking path
-                    claims[i] = None
         except BaseException:  # what we reserved goes back unused (waiters look again, no failure)
             for res in owned.values():
                 if res.owned and (bridge is None or not bridge.set_aside.interrupted(res)):
@@ -270,7 +267,7 @@ class Claims:
             if exported:
                 self._settle_export(slot, gen)
             if self.bridge is not None and sealed is None:  # failed: another node takes over
-                self.bridge.end_lease(slot, gen, failed=True)
+                self.bridge.leases.end(slot, gen, failed=True)
         node.count(Counter.PUTS)
         node.count(Counter.BYTES_PUT, sealed.size)
         if self.bridge is not None:
@@ -308,7 +305,7 @@ class Claims:
         over); its lease is removed if it ended here, else only forgotten (the adopter holds it)."""
         ended = self._node.abandon(slot, gen, kind, reason)
         if self.bridge is not None:
-            self.bridge.end_lease(slot, gen, failed=ended)
+            self.bridge.leases.end(slot, gen, failed=ended)
 
     def ticket(self, reservation: Reservation) -> ReservationTicket:
         return ReservationTicket(
@@ -317,13 +314,13 @@ class Claims:
             reservation.gen,
             self._node.client,
             reservation.key.digest,
-            None if self.bridge is None else self.bridge.lease_of(reservation),
+            None if self.bridge is None else self.bridge.leases.of(reservation),
         )
 
     def let_go(self, reservation: Reservation) -> bool:
         adopted_or_ended = self._node.let_go(reservation.slot, reservation.gen)
         if adopted_or_ended and self.bridge is not None:
-            self.bridge.end_lease(reservation.slot, reservation.gen, failed=False)  # the adopter's now
+            self.bridge.leases.end(reservation.slot, reservation.gen, failed=False)  # the adopter's now
         return adopted_or_ended
 
     def adopt(
@@ -337,5 +334,5 @@ class Claims:
             return None
         reservation = Reservation(self, key, request_id, slot=ticket.slot, gen=ticket.gen)
         if ticket.lease is not None and self.bridge is not None:
-            self.bridge.take_lease(reservation, ticket.lease)  # our publish or failure removes it
+            self.bridge.leases.adopt(reservation, ticket.lease)  # our publish or failure removes it
         return reservation

@@ -48,6 +48,7 @@ from shmcache.process.views import Views
 from shmcache.process.writes import Writes
 from shmcache.remote import lease
 from shmcache.remote.answers import Transfer
+from shmcache.remote.leases import Leases
 from shmcache.remote.setaside import SetAside
 from shmcache.remote.sizes import SizeGuesses
 from shmcache.remote.store import RemoteStore, remote_key
@@ -100,12 +101,8 @@ class RemoteBridge:
             store.close()
             raise
         self._lock = threading.Lock()  # one staged pull at a time: they share the store's pull buffer
-        self._single_flight, self._lease_s = config.remote_single_flight, config.compute_timeout_s
-        self._node_tag = lease.node_tag(node.segments.names.index)  # in our lease tokens
-        self._leases: dict[tuple[int, int], lease.Lease] = {}  # by the (slot, gen) it covers
-        self._leases_seen: dict[bytes, float] = {}  # other nodes' lease tokens: when first seen
-        self._owed: list[lease.Lease] = []  # ours to remove once the store answers again
-        self._owed_lock = threading.Lock()
+        self._single_flight = config.remote_single_flight
+        self.leases = Leases(store, config.compute_timeout_s, lease.node_tag(node.segments.names.index))
         self._sizes = SizeGuesses()
         self.set_aside = SetAside(node)  # node memory our transfers may still write
 
@@ -209,14 +206,30 @@ class RemoteBridge:
         value = self.pull(reservation)
         if value is not None or not self._single_flight or not self.store.available:
             return value
-        self._settle_owed()
         name = remote_key(self._prefix, reservation.key)
-        token, value = lease.hold_or_wait(
-            self.store, name, self._lease_s, self._node_tag, lambda: self.pull(reservation, guess=False)
-        )
-        if token is not None:
-            self._leases[(reservation.slot, reservation.gen)] = lease.Lease(name, token)
-        return value
+        return self.leases.hold_or_wait(reservation, name, lambda: self.pull(reservation, guess=False))
+
+    def pull_or_lease_many(self, reservations: Sequence[Reservation], *, take: bool = True) -> list[Pulled]:
+        """The batch path's `pull_or_lease`, without waiting: `pull_many`, then each miss leased
+        (`lease_now`); one another node holds is withdrawn (LOOK_AGAIN: the caller waits for it on
+        the blocking path). Those whose lease we won are pulled once more, as `hold_or_wait` does: a
+        holder may have published and removed its lease between our pull and our lease; a value
+        found (or LOOK_AGAIN) gives the lease back."""
+        values = self.pull_many(reservations)
+        won: list[int] = []
+        for i, (res, value) in enumerate(zip(reservations, values, strict=True)):
+            if value is not None:
+                continue
+            if not self.lease_now(res, take=take):
+                res.withdraw()
+                values[i] = LOOK_AGAIN
+            elif self.leases.of(res) is not None:
+                won.append(i)
+        for i, value in zip(won, self.pull_many([reservations[i] for i in won]), strict=True):
+            if value is not None:
+                self.leases.end(reservations[i].slot, reservations[i].gen, failed=True)
+                values[i] = value
+        return values
 
     def lease_now(self, reservation: Reservation, *, take: bool = True) -> bool:
         """For a node miss the store did not have, on the batch path: with cross-node single flight
@@ -224,52 +237,7 @@ class RemoteBridge:
         `take` off (a caller computing for itself alone) only look: no lease is taken."""
         if not self._single_flight or not self.store.available:
             return True
-        self._settle_owed()
-        name = remote_key(self._prefix, reservation.key)
-        if not take:
-            return not lease.held_elsewhere(
-                self.store, name, self._node_tag, self._lease_s, self._leases_seen
-            )
-        token = lease.try_hold(self.store, name, self._lease_s, self._node_tag, self._leases_seen)
-        if token is None:
-            return False
-        self._leases[(reservation.slot, reservation.gen)] = lease.Lease(name, token)
-        return True
-
-    def lease_of(self, reservation: Reservation) -> lease.Lease | None:
-        """The lease we hold for `reservation` (it goes with the reservation when handed over)."""
-        return self._leases.get((reservation.slot, reservation.gen))
-
-    def take_lease(self, reservation: Reservation, held: lease.Lease) -> None:
-        """Hold `held` for `reservation`, adopted from the process that took it: our publish (or
-        our failure) removes it."""
-        self._leases[(reservation.slot, reservation.gen)] = held
-
-    def end_lease(self, slot: int, gen: int, *, failed: bool) -> None:
-        """Reservation (slot, gen) ended here: forget its lease, and remove it if the compute
-        failed (a waiting node then takes over at once instead of at the lease's deadline)."""
-        held = self._leases.pop((slot, gen), None)
-        if held is not None and failed:
-            self._release(held)
-
-    def _release(self, held: lease.Lease) -> None:
-        """Remove our lease `held` (`lease.release`) now, or, while the store does not answer, at
-        this process's first remote step once it does: a lease left would hold other nodes up to
-        half their compute timeout."""
-        if self.store.available:
-            lease.release(self.store, held)
-            return
-        with self._owed_lock:
-            self._owed.append(held)
-
-    def _settle_owed(self) -> None:
-        """Remove the leases owed since an outage, the store answering again."""
-        if not self._owed or not self.store.available:
-            return
-        with self._owed_lock:
-            owed, self._owed = self._owed, []
-        for held in owed:
-            lease.release(self.store, held)
+        return self.leases.take_now(reservation, remote_key(self._prefix, reservation.key), take=take)
 
     def pull_many(self, reservations: Sequence[Reservation]) -> list[Pulled]:
         """`pull` of many node misses in one batch call (each value up to `BATCH_ITEM_BYTES`;
@@ -338,14 +306,14 @@ class RemoteBridge:
         The lease we held for it (if any) is removed once the publish is over, stored or not:
         waiting nodes then find the value, or take over at once, never at the lease's deadline
         (a lease may sit in a segment that outlives us while our copy of the value does not);
-        while the store does not answer, once it does (`_release`)."""
-        self._settle_owed()
+        while the store does not answer, once it does (`Leases.release`)."""
+        self.leases.settle_owed()
         node, slot, gen = self._node, sealed.slot, sealed.gen
-        held = self._leases.pop((slot, gen), None)
+        held = self.leases.forget(slot, gen)
 
         def over(stored: bool = False) -> None:  # stored or not, the lease goes
             if held is not None:
-                self._release(held)
+                self.leases.release(held)
 
         def read() -> None:  # the store read the entry (a thin client: into its publish buffer)
             node.release([(slot, gen)])
