@@ -45,6 +45,13 @@ def test_a_reservation_kept_for_a_hung_transfer_blocks_nobody_and_ends_with_the_
             assert stats["reserved"] == 1 and stats["uncacheable"] == 1 and stats["remote_set_aside"] == 1, (
                 stats
             )
+            [res] = b.try_reserve_many([key_of("shared")])  # a vLLM scheduler step: computed uncached
+            assert res is not None and not res.owned and res.value is None  # before: None at every step
+            with res:
+                value = res.commit(expected_value("shared", SIZE))
+            assert fingerprint(value) == fingerprint(expected_value("shared", SIZE))
+            del value
+            assert b.stats()["reserved"] == 1  # still kept: its transfer may still write it
             os.kill(node_a, signal.SIGCONT)  # the transfer goes on and ends
             wait_for(lambda: b.stats()["reserved"] == 0, timeout=60, what="the kept reservation to end")
             value = b.get_or_compute(key_of("shared"), lambda: expected_value("shared", SIZE))

@@ -2,7 +2,9 @@
 review: a caller that only looks waits for another node's lease no longer than the batch path
 does; successive holders share one wait; a lease won and then left by a raising pull is removed;
 the batch path does not wait on a lease in a dead segment; a lease an outage kept from removal
-goes once the store answers; the batch path looks for the value once more after winning a lease."""
+goes once the store answers; the batch path looks for the value once more after winning a lease,
+and removes the leases it won when that look raises; the tokens of other nodes' leases a process
+remembers stay bounded when it only looks."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from shmcache.remote.store import RemoteStore, remote_key
 from shmcache.testing import MooncakeMaster
 from tests.helpers import kill, running, wait_for
 from tests.test_remote import remote_config
+from tests.test_remote_in_place import SIZE
 from tests.test_remote_single_flight import another_nodes_lease, lease_in_store
 from tests.workers import expected_value, key_of
 
@@ -187,3 +190,49 @@ def test_the_batch_path_looks_once_more_after_winning_a_lease(
         assert (b.stats()["hits_remote"], b.stats()["computes"], a.stats()["computes"]) == (1, 0, 1)
         assert lease_in_store(b, "k") is None  # B's lease given back
         del res
+
+
+def test_the_batch_paths_won_leases_go_when_its_last_look_raises(
+    shmcache_mooncake: MooncakeMaster, shmcache_namespace: str, other_namespace: str
+) -> None:
+    """Node A stores the key between node B's batch pull and B's lease; B's look after winning
+    the lease is interrupted once its transfer into node memory returned, before its answer was
+    read: the reservation is set aside, so its fenced withdraw ends nothing and only forgot the
+    lease, which stayed in the store for other nodes to wait on. Now it is removed."""
+    config_a = remote_config(shmcache_namespace, shmcache_mooncake.address)
+    config_b = dataclasses.replace(config_a, namespace=other_namespace)
+    with EmbeddingCache(config_a) as a, EmbeddingCache(config_b) as b:
+        bridge = b._bridge
+        assert bridge is not None
+        lease_now, fetch_into = bridge.lease_now, bridge.store.fetch_into
+
+        def then_a_stores(*args: Any, **kwargs: Any) -> bool:
+            won = lease_now(*args, **kwargs)
+            a.put(key_of("k"), expected_value("k", SIZE))  # no lease: a put stores what it has
+            wait_for(lambda: a.stats()["remote_publishes"] == 1, what="A's publish")
+            return won
+
+        def interrupted_after_the_transfer(*args: Any, **kwargs: Any) -> Any:
+            fetch_into(*args, **kwargs)
+            raise KeyboardInterrupt
+
+        bridge.lease_now = then_a_stores  # type: ignore[method-assign]
+        bridge.store.fetch_into = interrupted_after_the_transfer  # type: ignore[method-assign]
+        with pytest.raises(KeyboardInterrupt):
+            b.try_reserve_many([key_of("k")])
+        assert b.stats()["remote_set_aside"] == 1, b.stats()
+        assert lease_in_store(b, "k") is None  # the code before: left for the others to wait on
+
+
+def test_an_engine_that_only_looks_forgets_old_lease_tokens(shmcache_mooncake: MooncakeMaster) -> None:
+    """The tokens of other nodes' leases a process saw are dropped a whole timeout after it first
+    saw them; a caller that only looks (an `ec_consumer` engine) kept every one it ever saw."""
+    store = RemoteStore(remote_config("unused", shmcache_mooncake.address), lambda counter, n: None)
+    name = f"looked-{uuid.uuid4().hex}"
+    try:
+        assert store.put_bytes(name + LEASE_SUFFIX, _far_token())
+        seen = {b"an old token": time.monotonic() - 100.0}
+        assert lease.held_elsewhere(store, name, "our-node", 60.0, seen)
+        assert b"an old token" not in seen and len(seen) == 1
+    finally:
+        store.close()

@@ -119,7 +119,7 @@ class Claims:
                 node.reclaim()  # our views that died since
                 node.reap()  # and dead processes' pins
                 continue
-            if not wait:
+            if not wait and not self._kept(claim):  # ours kept: computed uncached, batch path too
                 return None
             if not waited:
                 node.count(Counter.COALESCED_WAITS)
@@ -129,14 +129,17 @@ class Claims:
 
     def _wait_out(self, claim: Claim, key: EmbeddingCacheKey, needle: bytes, deadline: float) -> bool:
         """One slice of the wait on another holder's reservation `claim`; True if we compute it
-        uncached (it ended with a value that could not be stored, or is ours: `SetAside.keeps`)."""
-        if self.bridge is not None and self.bridge.set_aside.keeps(claim.slot, claim.gen):
+        uncached (it ended with a value that could not be stored, or is ours: `_kept`)."""
+        if self._kept(claim):
             return True
         if needle in self._computing_here():
             raise ComputeReentered(f"{key!r}: asked for by its own compute (it would wait on itself)")
-        node, slot = self._node, claim.slot
-        ended = waiting.wait_slice(node, key, slot, deadline, self._config.compute_timeout_s)
-        return ended and waiting.failed_uncacheable(node, key, slot, claim.gen)
+        ended = waiting.wait_slice(self._node, key, claim.slot, deadline, self._config.compute_timeout_s)
+        return ended and waiting.failed_uncacheable(self._node, key, claim.slot, claim.gen)
+
+    def _kept(self, claim: Claim) -> bool:
+        """Whether `claim` found our reservation kept while a transfer may write it (`SetAside.keeps`)."""
+        return self.bridge is not None and self.bridge.set_aside.keeps(claim.slot, claim.gen)
 
     def _hit(
         self,

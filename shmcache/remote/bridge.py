@@ -214,7 +214,7 @@ class RemoteBridge:
         (`lease_now`); one another node holds is withdrawn (LOOK_AGAIN: the caller waits for it on
         the blocking path). Those whose lease we won are pulled once more, as `hold_or_wait` does: a
         holder may have published and removed its lease between our pull and our lease; a value
-        found (or LOOK_AGAIN) gives the lease back."""
+        found (or LOOK_AGAIN) gives the lease back, and so do all of them if that pull raises."""
         values = self.pull_many(reservations)
         won: list[int] = []
         for i, (res, value) in enumerate(zip(reservations, values, strict=True)):
@@ -225,7 +225,13 @@ class RemoteBridge:
                 values[i] = LOOK_AGAIN
             elif self.leases.of(res) is not None:
                 won.append(i)
-        for i, value in zip(won, self.pull_many([reservations[i] for i in won]), strict=True):
+        try:
+            again = self.pull_many([reservations[i] for i in won])
+        except BaseException:  # nobody computes under those leases: other nodes take over at once
+            for i in won:
+                self.leases.end(reservations[i].slot, reservations[i].gen, failed=True)
+            raise
+        for i, value in zip(won, again, strict=True):
             if value is not None:
                 self.leases.end(reservations[i].slot, reservations[i].gen, failed=True)
                 values[i] = value

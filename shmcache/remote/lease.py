@@ -156,10 +156,7 @@ def try_hold(
     caller across calls; the batch path is asked again at each scheduler step). `node` is our
     node's tag. Any store error means ours."""
     lease = name + LEASE_SUFFIX
-    now = time.monotonic()
-    for old, at in list(seen.items()):  # `seen` is shared by the process's threads: no `del`
-        if now - at > timeout_s:
-            seen.pop(old, None)  # bounded: tokens older than a whole timeout are of no use any more
+    now = _pruned(seen, timeout_s)
     for put in (store.put_bytes, store.upsert_bytes):  # put; over a lease not worth waiting for, upsert
         mine = _token(timeout_s, node)
         if not put(lease, mine):
@@ -187,8 +184,18 @@ def held_elsewhere(
     if _ours(held, node):
         release(store, Lease(name, held))
         return False
-    now = time.monotonic()
+    now = _pruned(seen, timeout_s)
     return _waits(held, node) and now - seen.setdefault(held, now) < WAIT_SHARE * timeout_s
+
+
+def _pruned(seen: dict[bytes, float], timeout_s: float) -> float:
+    """Drop from `seen` the tokens first seen more than `timeout_s` ago (of no use any more: it
+    stays bounded); now, on the monotonic clock."""
+    now = time.monotonic()
+    for old, at in list(seen.items()):  # `seen` is shared by the process's threads: no `del`
+        if now - at > timeout_s:
+            seen.pop(old, None)
+    return now
 
 
 def _read(store: RemoteStore, lease: str, patience: float = READ_S) -> bytes | None:

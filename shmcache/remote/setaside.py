@@ -82,7 +82,8 @@ class SetAside:
             except Exception:  # a lock timeout: never let the caller's abandon free this memory
                 done = False
             if not done:
-                self._kept.append(reservation)  # stays reserved (ours) until close
+                with self._closing:  # as the late call's callback rebuilds the list
+                    self._kept.append(reservation)  # stays reserved (ours) until its call ends
             transfer.set_aside = done
             node.count(Counter.REMOTE_SET_ASIDE)
         call = next(iter(transfer.calls), None)
@@ -109,10 +110,10 @@ class SetAside:
         with self._closing:
             if self._closed or not LateCall(call, nothing_in_flight).ended():
                 return
-            self._kept = [kept for kept in self._kept if kept is not reservation]
-            self._node.abandon(
+            self._node.abandon(  # first: if it raises, it stays kept (the close abandons it)
                 reservation.slot, reservation.gen, FailureKind.UNCACHEABLE, "a remote transfer failed"
             )
+            self._kept = [kept for kept in self._kept if kept is not reservation]
 
     def keeps(self, slot: int, gen: int) -> bool:
         """Whether (slot, gen) is a reservation of ours kept while a transfer may write it: a

@@ -292,8 +292,10 @@ class RemoteStore:
     def publish(self, name: str, address: int, nbytes: int, read: Callable[[], None], done: Done) -> bool:
         """Queue `put_from(name, address, nbytes)` (`publisher.py`): `read()` once that memory is
         not read any more (a thin client's copy into its publish buffer, else the put's end),
-        `done(stored)` after the put, each exactly once. Never blocks: a full queue or an
-        unavailable store drops it (counted) and returns False (then neither runs)."""
+        `done(stored)` after the put, each once, unless the close ends the publish first: then
+        `done(False)` while an abandoned put may still run, and neither if its reading part
+        outlived the drain (orphaned: the detach gives the pin back). Never blocks: a full queue
+        or an unavailable store drops it (counted) and returns False (then neither runs)."""
         if not self.available:
             self._count(Counter.REMOTE_PUBLISH_DROPS, 1)
             return False
