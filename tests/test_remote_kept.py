@@ -52,6 +52,7 @@ def test_a_reservation_kept_for_a_hung_transfer_blocks_nobody_and_ends_with_the_
             assert fingerprint(value) == fingerprint(expected_value("shared", SIZE))
             del value
             assert b.stats()["reserved"] == 1  # still kept: its transfer may still write it
+            assert b.stats()["coalesced_waits"] == 0  # nothing waited on: it was counted as a wait
             os.kill(node_a, signal.SIGCONT)  # the transfer goes on and ends
             wait_for(lambda: b.stats()["reserved"] == 0, timeout=60, what="the kept reservation to end")
             value = b.get_or_compute(key_of("shared"), lambda: expected_value("shared", SIZE))

@@ -89,9 +89,10 @@ class Claims:
         pull: bool = False,
     ) -> Reservation | None:
         """The value of `key` (as a settled reservation), or our reservation of it, or an uncached
-        one when no slot is free; None if another process holds it and `wait` is off. With
-        `pull`, a node miss is first looked up in the remote store, under our reservation. With
-        `counted` off (a `put`, not a lookup) neither a hit nor a miss is counted."""
+        one (no slot free, or the key's reservation is ours, kept: `_kept`); None if another
+        process holds it and `wait` is off. With `pull`, a node miss is first looked up in the
+        remote store, under our reservation. With `counted` off (a `put`, not a lookup) neither a
+        hit nor a miss is counted."""
         node = self._node
         local = self._views.repeat_hit(needle, key, request_id, count=counted)
         if local is not None:
@@ -119,8 +120,9 @@ class Claims:
                 node.reclaim()  # our views that died since
                 node.reap()  # and dead processes' pins
                 continue
-            if not wait and not self._kept(claim):  # ours kept: computed uncached, batch path too
-                return None
+            kept = self._kept(claim)  # ours: computed uncached, never waited on (nor a wait counted)
+            if kept or not wait:
+                return Reservation(self, key, request_id) if kept else None
             if not waited:
                 node.count(Counter.COALESCED_WAITS)
                 waited = True
@@ -128,10 +130,8 @@ class Claims:
                 return Reservation(self, key, request_id)
 
     def _wait_out(self, claim: Claim, key: EmbeddingCacheKey, needle: bytes, deadline: float) -> bool:
-        """One slice of the wait on another holder's reservation `claim`; True if we compute it
-        uncached (it ended with a value that could not be stored, or is ours: `_kept`)."""
-        if self._kept(claim):
-            return True
+        """One slice of the wait on another holder's reservation `claim`; True if it ended with a
+        value that could not be stored (we compute it ourselves, uncached)."""
         if needle in self._computing_here():
             raise ComputeReentered(f"{key!r}: asked for by its own compute (it would wait on itself)")
         ended = waiting.wait_slice(self._node, key, claim.slot, deadline, self._config.compute_timeout_s)
