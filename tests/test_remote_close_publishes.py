@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from shmcache import CacheConfig, EmbeddingCache
+from shmcache.node.layout import Counter
+from shmcache.remote.publisher import Publish
 from shmcache.remote.store import RemoteStore
 from shmcache.testing import MooncakeHolder, MooncakeMaster
 from tests.helpers import running, wait_for
@@ -124,3 +126,36 @@ def test_a_put_still_reading_node_memory_at_the_drains_end_runs_nothing_of_ours_
     assert not closed and took < 15.0, took
     assert events == at_close, events  # nothing ran once the close was over
     assert "read" not in events and "done" not in events, events
+
+
+def test_a_reading_part_that_ends_as_the_close_gives_up_waiting_is_ended_not_orphaned() -> None:
+    """The close's wait for a publish's reading part runs out while that part ends (its `read()`
+    still running): the publish is ended as dropped, `done` runs once (it gives the lease back),
+    and the close does not report a put still reading node memory. Before, it was orphaned:
+    `done` never ran and the lease stayed to its deadline."""
+    events: list[object] = []
+    reading_ends = threading.Event()
+
+    def read() -> None:
+        events.append("read")
+        reading_ends.wait(10)
+
+    publish = Publish(
+        "p", 0, 0, read, lambda stored: events.append(("done", stored)), lambda c, n: events.append(c)
+    )
+    inside = threading.Event()
+
+    def reading_part() -> None:
+        with publish.reading() as may_read:
+            assert may_read
+            inside.set()
+
+    reader = threading.Thread(target=reading_part)
+    reader.start()
+    assert inside.wait(10)
+    threading.Timer(0.5, reading_ends.set).start()  # after the close's 0.2 s wait ran out
+    ended = publish.abandon(0.2)
+    reader.join(10)
+    assert publish.end(Counter.REMOTE_PUBLISHES, stored=True) is False  # the worker's own end, late
+    assert ended
+    assert events == ["read", Counter.REMOTE_PUBLISH_DROPS, ("done", False)], events

@@ -92,11 +92,15 @@ class Publish:
 
     def abandon(self, timeout: float) -> bool:
         """`close`: end it as dropped, waiting up to `timeout` for its reading part; else (False)
-        orphan it: nothing of ours runs when that part ends."""
+        orphan it: nothing of ours runs when that part ends. A part that ended as the wait ran
+        out (its `read()` ran) orphans nothing: the publish is ended, unless it already was."""
         if not self._lock.acquire(timeout=max(timeout, 0.0)):
             with self._gate:
-                self._orphaned = True
-            return False
+                if not self._was_read:  # still reading node memory
+                    self._orphaned = True
+                    return False
+                self._end_gated(Counter.REMOTE_PUBLISH_DROPS, False, None)
+            return True
         try:
             self._end_held(Counter.REMOTE_PUBLISH_DROPS, False, None)
         finally:
@@ -105,20 +109,25 @@ class Publish:
 
     def _end_held(self, counter: Counter | None, stored: bool, outage: Outage) -> bool:
         with self._gate:
-            if self._ended or self._orphaned:
-                return False
-            self._ended = True
+            return self._end_gated(counter, stored, outage)
+
+    def _end_gated(self, counter: Counter | None, stored: bool, outage: Outage) -> bool:
+        """The end, once, by whoever holds the gate first (`_end_held`, or `abandon` after the
+        reading part ended)."""
+        if self._ended or self._orphaned:
+            return False
+        self._ended = True
+        try:
+            if counter is not None:
+                self._count(counter, 1)
+            if outage is not None:
+                outage()
+        finally:
             try:
-                if counter is not None:
-                    self._count(counter, 1)
-                if outage is not None:
-                    outage()
+                self._give_back_read()
             finally:
-                try:
-                    self._give_back_read()
-                finally:
-                    self._done(stored)
-            return True
+                self._done(stored)
+        return True
 
     def _give_back_read(self) -> None:
         if not self._was_read:
