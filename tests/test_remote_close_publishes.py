@@ -130,9 +130,9 @@ def test_a_put_still_reading_node_memory_at_the_drains_end_runs_nothing_of_ours_
 
 def test_a_reading_part_that_ends_as_the_close_gives_up_waiting_is_ended_not_orphaned() -> None:
     """The close's wait for a publish's reading part runs out while that part ends (its `read()`
-    still running): the publish is ended as dropped, `done` runs once (it gives the lease back),
-    and the close does not report a put still reading node memory. Before, it was orphaned:
-    `done` never ran and the lease stayed to its deadline."""
+    still running): the publish is ended as dropped (counted), `done` runs once, and the close does
+    not report a put still reading node memory. Before, it was orphaned: neither ran, and the
+    close logged that error falsely."""
     events: list[object] = []
     reading_ends = threading.Event()
 

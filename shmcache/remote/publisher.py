@@ -93,7 +93,7 @@ class Publish:
     def abandon(self, timeout: float) -> bool:
         """`close`: end it as dropped, waiting up to `timeout` for its reading part; else (False)
         orphan it: nothing of ours runs when that part ends. A part that ended as the wait ran
-        out (its `read()` ran) orphans nothing: the publish is ended, unless it already was."""
+        out (its `read()` ran) is not orphaned: the publish is ended, unless it already was."""
         if not self._lock.acquire(timeout=max(timeout, 0.0)):
             with self._gate:
                 if not self._was_read:  # still reading node memory
