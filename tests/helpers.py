@@ -89,8 +89,20 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 30.0, what: str = "
 
 
 def stopped(pid: int) -> bool:
-    """Process `pid` is stopped (SIGSTOP: state T in /proc)."""
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+    """Every thread of process `pid` is stopped (SIGSTOP: state T in /proc)."""
+    states = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError):  # a thread that just ended
+            states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+    return bool(states) and all(state == "T" for state in states)
+
+
+def stop(pid: int) -> None:
+    """SIGSTOP process `pid` and wait until every thread of it is stopped. `kill` returns before
+    that: the signal wakes one thread to stop the group, and on a loaded machine the others may
+    answer a request meanwhile (a Mooncake master answered a probe sent after its SIGSTOP)."""
+    os.kill(pid, signal.SIGSTOP)
+    wait_for(lambda: stopped(pid), timeout=10.0, what=f"process {pid} to stop")
 
 
 def longest_stall(seconds: float) -> float:

@@ -20,7 +20,7 @@ from shmcache import CacheConfig, EmbeddingCache, ShmCacheError
 from shmcache.remote.staging import Staging
 from shmcache.remote.store import RemoteStore
 from shmcache.testing import MooncakeMaster
-from tests.helpers import kill, map_fresh, mapped_ranges, running, spawn, wait_for
+from tests.helpers import kill, map_fresh, mapped_ranges, running, spawn, stop, wait_for
 from tests.test_remote import remote_config
 from tests.test_remote_in_place import SIZE, stopped_publisher
 from tests.test_remote_recovery import _available
@@ -263,7 +263,7 @@ def set_aside_then_close_on_a_stopped_master(config: CacheConfig, node_a: int, m
     wait_for(lambda: cache.stats()["stale"] == 0, timeout=60, what="the late transfer's end")
     wait_for(lambda: _available(cache), timeout=60, what="the store to answer again")
     stats = cache.stats()  # reported with the close's time: a publish in flight would hold it
-    os.kill(master, signal.SIGSTOP)
+    stop(master)
     started = time.monotonic()
     try:
         cache.close()

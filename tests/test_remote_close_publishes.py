@@ -19,7 +19,7 @@ from shmcache.node.layout import Counter
 from shmcache.remote.publisher import Publish
 from shmcache.remote.store import RemoteStore
 from shmcache.testing import MooncakeHolder, MooncakeMaster
-from tests.helpers import running, wait_for
+from tests.helpers import running, stop, wait_for
 from tests.test_remote import remote_config
 from tests.workers import expected_value, key_of
 
@@ -32,7 +32,7 @@ def close_while_a_publish_hangs(config: CacheConfig, holder_pid: int, out: str) 
     cache = EmbeddingCache(config)
     cache.put(key_of("first"), expected_value("first", 4096))
     wait_for(lambda: cache.stats()["remote_publishes"] == 1, what="a publish through the holder")
-    os.kill(holder_pid, signal.SIGSTOP)
+    stop(holder_pid)
     try:
         cache.put(key_of("second"), expected_value("second", 4096))
         wait_for(lambda: cache.stats()["references"] == 0, timeout=10, what="the copy into its buffer")
@@ -105,7 +105,7 @@ def test_a_put_still_reading_node_memory_at_the_drains_end_runs_nothing_of_ours_
     store.register(int(data.ctypes.data), data.nbytes)
     master = shmcache_mooncake.process.pid
     assert master is not None
-    os.kill(master, signal.SIGSTOP)
+    stop(master)
     try:
         queued = store.publish(
             f"orphan-{uuid.uuid4().hex}",

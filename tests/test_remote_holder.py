@@ -25,7 +25,7 @@ from shmcache.remote.holder import holder_command
 from shmcache.remote.holder import main as remote_holder
 from shmcache.remote.store import RemoteStore
 from shmcache.testing import MooncakeHolder, MooncakeMaster
-from tests.helpers import InterruptAtLine, kill, longest_stall, spawn, wait_for
+from tests.helpers import InterruptAtLine, kill, longest_stall, spawn, stop, wait_for
 from tests.test_remote import remote_config
 from tests.test_remote_recovery import _available
 from tests.workers import expected_value, fingerprint, key_of
@@ -124,7 +124,7 @@ def test_a_thin_clients_publish_unpins_its_entry_once_copied_into_its_publish_bu
     with EmbeddingCache(thin) as cache:
         cache.put(key_of("first"), expected_value("first", 4096))
         wait_for(lambda: cache.stats()["remote_publishes"] == 1, what="a publish through the holder")
-        os.kill(shmcache_mooncake_holder.process.pid, signal.SIGSTOP)
+        stop(shmcache_mooncake_holder.process.pid)
         try:
             cache.put(key_of("second"), expected_value("second", 4096))
             wait_for(lambda: cache.stats()["references"] == 0, timeout=10, what="the publish's pin back")
@@ -212,7 +212,7 @@ def test_an_interrupt_anywhere_after_a_timed_out_fetch_keeps_its_buffer_lent(
         at = answered_in_time = 0
         while True:
             interrupter = InterruptAtLine(at, {RemoteStore.fetch.__code__: "fetched"})
-            os.kill(master, signal.SIGSTOP)
+            stop(master)
             try:
                 fetched = np.empty(0)
                 with interrupter.tracing(), contextlib.suppress(KeyboardInterrupt):

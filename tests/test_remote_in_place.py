@@ -24,7 +24,7 @@ from shmcache.remote.bridge import RemoteBridge
 from shmcache.remote.setaside import SetAside
 from shmcache.remote.store import RemoteStore, remote_key
 from shmcache.testing import MooncakeMaster
-from tests.helpers import InterruptAtLine, kill, spawn, wait_for
+from tests.helpers import InterruptAtLine, kill, spawn, stop, wait_for
 from tests.test_remote import assert_pulled_in_place, remote_config
 from tests.test_remote_recovery import _available
 from tests.workers import expected_value, fingerprint, key_of, pull_until_interrupted_then_stay
@@ -79,7 +79,7 @@ def stopped_publisher(
     3 entries and a 1 s remote timeout; node A's pid, to SIGCONT it)."""
     with published(master, node_a, node_b, "shared", 1.0, numel) as (config_b, proc):
         assert proc.pid is not None
-        os.kill(proc.pid, signal.SIGSTOP)
+        stop(proc.pid)
         yield config_b, proc.pid
 
 
@@ -176,7 +176,7 @@ def test_a_guessed_pull_on_a_hung_master_gets_its_memory_back_when_the_late_call
             for name in names[:2]:  # a steady size: the next pull of the kind guesses it
                 pulled = b.get_or_compute(key_of(name), lambda: pytest.fail("node B computed"))
                 del pulled
-            os.kill(shmcache_mooncake.process.pid, signal.SIGSTOP)
+            stop(shmcache_mooncake.process.pid)
             try:
                 value = b.get_or_compute(key_of("three"), lambda: expected_value("three", SIZE))
                 assert fingerprint(value) == fingerprint(expected_value("three", SIZE))
@@ -207,7 +207,7 @@ def test_an_interrupted_pull_gets_its_memory_back_when_the_late_call_ends(
         try:
             wait_for(Path(f"{go}.ready").exists, timeout=60, what="node B's pulls of a steady size")
             with EmbeddingCache(dataclasses.replace(node_b, remote_master=None)) as b:
-                os.kill(shmcache_mooncake.process.pid, signal.SIGSTOP)
+                stop(shmcache_mooncake.process.pid)
                 try:
                     go.touch()
                     slots = b._node.slots.array  # read only: the puller's reservation gets its extent
@@ -277,7 +277,7 @@ def test_an_interrupt_anywhere_after_a_failed_transfer_never_frees_its_memory(
             for name in names[2:]:
                 before, set_aside = _held(slots), b.stats()["remote_set_aside"]
                 interrupter = InterruptAtLine(at, answered)
-                os.kill(master, signal.SIGSTOP)
+                stop(master)
                 try:
                     with interrupter.tracing(), contextlib.suppress(KeyboardInterrupt):
                         value = b.get_or_compute(key_of(name), lambda n=name: expected_value(n, numel))

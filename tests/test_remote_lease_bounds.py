@@ -23,7 +23,7 @@ from shmcache.remote import lease
 from shmcache.remote.lease import LEASE_SUFFIX
 from shmcache.remote.store import RemoteStore, remote_key
 from shmcache.testing import MooncakeMaster
-from tests.helpers import kill, running, wait_for
+from tests.helpers import kill, running, stop, wait_for
 from tests.test_remote import remote_config
 from tests.test_remote_in_place import SIZE
 from tests.test_remote_single_flight import another_nodes_lease, lease_in_store
@@ -149,7 +149,7 @@ def test_a_lease_an_outage_kept_from_removal_goes_once_the_store_answers(
 
         def compute() -> Any:
             assert store.get_bytes(held) is not None  # we hold the lease
-            os.kill(master, signal.SIGSTOP)
+            stop(master)
             try:
                 store.size_of("anything")  # no answer within remote_timeout_s: the outage begins
             finally:

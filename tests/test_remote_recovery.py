@@ -26,7 +26,7 @@ from shmcache.remote.connection import free_port
 from shmcache.remote.store import RemoteStore
 from shmcache.testing import MooncakeMaster
 from tests import workers
-from tests.helpers import longest_stall, spawn, wait_for
+from tests.helpers import longest_stall, spawn, stop, wait_for
 from tests.test_remote import assert_pulled_in_place, remote_config
 from tests.workers import expected_value, fingerprint, key_of
 
@@ -88,7 +88,7 @@ def test_a_hung_master_costs_one_bounded_wait_then_none(
     config = remote_config(shmcache_namespace, shmcache_mooncake.address, remote_timeout_s=0.5)
     with EmbeddingCache(config) as cache:
         assert _value(cache, "warm") == fingerprint(expected_value("warm"))
-        os.kill(shmcache_mooncake.process.pid, signal.SIGSTOP)  # answers nothing; Mooncake's RPCs wait 30 s
+        stop(shmcache_mooncake.process.pid)  # answers nothing; Mooncake's RPCs wait 30 s
         try:
             started = time.monotonic()
             assert _value(cache, "first") == fingerprint(expected_value("first"))  # its pull timed out
@@ -112,7 +112,7 @@ def test_closing_on_a_hung_master_asks_it_once_and_does_not_wait_on_it(
     the close first asks the master (bounded by remote_timeout_s) and leaves the client to
     process exit when it does not answer."""
     cache = EmbeddingCache(remote_config(shmcache_namespace, shmcache_mooncake.address, remote_timeout_s=0.5))
-    os.kill(shmcache_mooncake.process.pid, signal.SIGSTOP)
+    stop(shmcache_mooncake.process.pid)
     try:
         started = time.monotonic()
         cache.close()
@@ -131,7 +131,7 @@ def test_an_open_against_a_hung_master_does_not_wait_on_it(
     when it runs again; strict fails at once with the typed error."""
     config = remote_config(shmcache_namespace, shmcache_mooncake.address, remote_timeout_s=0.5)
     gc.collect()  # an earlier test's client left to exit: its destructor waits ~11 s on a hung master
-    os.kill(shmcache_mooncake.process.pid, signal.SIGSTOP)
+    stop(shmcache_mooncake.process.pid)
     try:
         started = time.monotonic()
         with pytest.raises(RemoteUnavailable, match=r"did not answer in 0\.5 s"):
@@ -165,11 +165,11 @@ def _answers_only_the_probe(port: int) -> Iterator[None]:
     """On 127.0.0.1:`port`, a master stopped right after it answered `Connection`'s probe: it
     closes a connection whose first byte is 0 (the probe's, as Mooncake's RPC server does) and
     never answers anything else."""
-    server, stop, held = socket.create_server(("127.0.0.1", port)), threading.Event(), []
+    server, ending, held = socket.create_server(("127.0.0.1", port)), threading.Event(), []
     server.settimeout(0.05)
 
     def serve() -> None:
-        while not stop.is_set():
+        while not ending.is_set():
             with contextlib.suppress(TimeoutError):
                 conn, _ = server.accept()
                 conn.settimeout(1.0)
@@ -184,7 +184,7 @@ def _answers_only_the_probe(port: int) -> Iterator[None]:
     try:
         yield
     finally:
-        stop.set()
+        ending.set()
         thread.join()
         for conn in [*held, server]:
             conn.close()
@@ -217,7 +217,7 @@ def test_a_master_down_at_open_is_picked_up_when_it_starts_and_never_stalls_the_
             assert _value(cache, "x") == fingerprint(expected_value("x"))  # node-local meanwhile
             down = longest_stall(3.0)  # probes at 0.25, 0.5, 1 and 2 s (a stalled one: 4.3 s)
             master.restart()
-            os.kill(master.process.pid, signal.SIGSTOP)
+            stop(master.process.pid)
             try:
                 hung = longest_stall(4.5)  # the next probe comes at 7.75 s
             finally:
@@ -242,7 +242,7 @@ def test_a_pull_interrupted_in_one_process_lets_its_waiters_compute_not_fail(
     with EmbeddingCache(config) as cache:
         puller = spawn(workers.get_or_compute_until_interrupted, config, "k", str(go), str(out))
         wait_for(Path(f"{go}.ready").exists, what="the puller's cache (connected to the master)")
-        os.kill(master, signal.SIGSTOP)  # the puller's size lookup will wait on it
+        stop(master)  # the puller's size lookup will wait on it
         try:
             go.touch()
             wait_for(lambda: cache.stats()["reserved"] == 1, what="the puller's reservation")
