@@ -201,6 +201,47 @@ def test_a_transfer_call_that_raised_leaves_its_memory_tainted(shmcache_mooncake
         store.close()
 
 
+class OverrunningBatch:
+    """A real Mooncake client whose `batch_get_into` answers its first item with one byte more
+    than the room it was given (Mooncake never did so far), the others as they came."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def batch_get_into(self, names: list[str], addresses: list[int], sizes: list[int]) -> list[int]:
+        rcs = list(self._client.batch_get_into(names, addresses, sizes))
+        return [sizes[0] + 1, *rcs[1:]]
+
+
+def test_a_batch_item_answered_past_its_room_makes_the_whole_batch_a_miss(
+    shmcache_mooncake: MooncakeMaster,
+) -> None:
+    """A batch gives each item `cap` bytes of one buffer, side by side: an item answered with
+    more may have written into the next one's room, so no item is returned (counted, warned).
+    Before, the other items were returned, their bytes possibly overwritten."""
+    counted: list[Counter] = []
+    config = CacheConfig(remote_master=shmcache_mooncake.address, remote_segment_bytes=16 << 20)
+    store = RemoteStore(config, lambda counter, n: counted.append(counter))
+    try:
+        names = [f"overrun-{uuid.uuid4().hex}-{i}" for i in range(3)]
+        for i, name in enumerate(names):
+            assert store.put_bytes(name, bytes([i + 1]) * 1000)
+
+        def fetched() -> tuple[list[bytes | None], list[int]]:
+            found, larger = store.fetch_many(names, 4096)
+            return [None if data is None else bytes(data) for data in found], larger
+
+        assert fetched() == ([bytes([i + 1]) * 1000 for i in range(3)], []) and counted == []
+        store._client = OverrunningBatch(store._client)
+        assert fetched() == ([None, None, None], []) and counted == [Counter.REMOTE_ERRORS]
+        assert store.available  # not an outage
+    finally:
+        store.close()
+
+
 def open_and_report(config: CacheConfig, out: str) -> None:
     """Open a cache with `config` and write what happened to `out` (in its own process: Mooncake's
     bind address is set once per process)."""

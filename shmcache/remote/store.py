@@ -54,6 +54,7 @@ from shmcache.remote.answers import (
     get_into_outcome,
     nothing_in_flight,
     taints,
+    transferred,
 )
 from shmcache.remote.connection import Connection, leave_to_exit
 from shmcache.remote.health import Health
@@ -261,7 +262,8 @@ class RemoteStore:
     def fetch_many(self, names: list[str], cap: int) -> tuple[list[np.ndarray | None], list[int]]:
         """`fetch` of many names in one `batch_get_into`, each given at most `cap` bytes: per name
         its bytes (valid until the next fetch) or None, and the indices of the names stored with
-        more than `cap` bytes (for the caller to fetch alone)."""
+        more than `cap` bytes (for the caller to fetch alone). An item answered with more than
+        `cap` bytes may have written into the next item's room: then none is returned."""
         staging = self.staging
         found: list[np.ndarray | None] = [None] * len(names)
         loan = self._lend(staging, cap * len(names), batch_clean) if staging is not None else None
@@ -277,16 +279,20 @@ class RemoteStore:
             if not taints(rcs):  # no transfer ran (no client, or closing)
                 staging.give_back(loan)
             return found, []
+        if batch_clean(rcs, failure_settled=failure_settled):
+            staging.give_back(loan)  # else a failed transfer may still write into its part of it
+        if any(transferred(rc) and rc > cap for rc in rcs):  # never seen: no item's bytes are sure
+            self._count(Counter.REMOTE_ERRORS, 1)
+            log.warning("shmcache: a batch pull answered more bytes than an item's room: %s", rcs)
+            return found, []
         larger = []
         for i, rc in enumerate(rcs):
-            if rc >= 0:
+            if transferred(rc):
                 found[i] = buffer[i * cap : i * cap + rc]
             elif rc == BUFFER_TOO_SMALL:
                 larger.append(i)
             elif taints(rc):
                 self._count(Counter.REMOTE_ERRORS, 1)  # a failed transfer, settled or not
-        if batch_clean(rcs, failure_settled=failure_settled):
-            staging.give_back(loan)  # else a failed transfer may still write into its part of it
         return found, larger
 
     def publish(self, name: str, address: int, nbytes: int, read: Callable[[], None], done: Done) -> bool:
