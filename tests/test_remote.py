@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 import tracemalloc
 import uuid
@@ -17,6 +18,7 @@ from shmcache.errors import RemoteUnavailable
 from shmcache.node.layout import Counter
 from shmcache.remote.answers import (
     MOONCAKE_WAIT_S,
+    REPLICA_IS_NOT_READY,
     TIMED_OUT,
     TRANSFER_FAIL,
     CallStart,
@@ -240,6 +242,64 @@ def test_a_batch_item_answered_past_its_room_makes_the_whole_batch_a_miss(
         assert store.available  # not an outage
     finally:
         store.close()
+
+
+class RecordingGetInto:
+    """A real Mooncake client that records what its `get_into` answered."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self.answers: list[int] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def get_into(self, name: str, address: int, size: int) -> int:
+        rc = int(self._client.get_into(name, address, size))
+        self.answers.append(rc)
+        return rc
+
+
+def test_a_pull_while_the_object_is_put_is_a_miss_that_leaves_its_memory_clean(
+    shmcache_mooncake: MooncakeMaster,
+) -> None:
+    """While an object's put runs, a `get_into` of it answers -703 (REPLICA_IS_NOT_READY: the
+    master's lookup, before any transfer). That is a miss: its memory is not set aside, nothing
+    is counted. Before, it read as a failed transfer: the extent was set aside until the process
+    detached, and an error counted (a node waiting for a lease holder's value pulls again and
+    again, so it hits that window whenever the holder publishes)."""
+    counted: list[Counter] = []
+    master = shmcache_mooncake.address
+    config = CacheConfig(remote_master=master, remote_segment_bytes=64 << 20, store_unavailable_mode="strict")
+    writer = RemoteStore(config, lambda counter, n: None)
+    reader = RemoteStore(config, lambda counter, n: counted.append(counter))
+    try:
+        source, memory = np.ones(32 << 20, dtype=np.uint8), np.zeros(32 << 20, dtype=np.uint8)
+        writer.register(int(source.ctypes.data), source.nbytes)
+        reader.register(int(memory.ctypes.data), memory.nbytes)
+        recording = RecordingGetInto(reader._client)
+        reader._client = recording
+        name, outcomes = f"being-put-{uuid.uuid4().hex}", []
+
+        def pull_until_it_arrives() -> None:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                outcomes.append(reader.fetch_into(name, int(memory.ctypes.data), memory.nbytes).outcome)
+                if outcomes[-1] is not Transfer.QUIET:
+                    return
+
+        puller = threading.Thread(target=pull_until_it_arrives)
+        puller.start()
+        time.sleep(0.05)  # pulling: misses
+        assert writer._client.put_from(name, int(source.ctypes.data), source.nbytes) == 0
+        puller.join(60)
+        assert REPLICA_IS_NOT_READY in recording.answers, "no pull ran while the put did: nothing tested"
+        assert outcomes[-1] is Transfer.DONE and set(outcomes[:-1]) == {Transfer.QUIET}
+        assert counted == [] and reader.available
+        assert memory.min() == 1
+    finally:
+        reader.close()
+        writer.close()
 
 
 def open_and_report(config: CacheConfig, out: str) -> None:
