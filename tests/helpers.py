@@ -92,7 +92,7 @@ def stopped(pid: int) -> bool:
     """Every thread of process `pid` is stopped (SIGSTOP: state T in /proc)."""
     states = []
     for task in Path(f"/proc/{pid}/task").iterdir():
-        with contextlib.suppress(FileNotFoundError):  # a thread that just ended
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # a thread that just ended
             states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
     return bool(states) and all(state == "T" for state in states)
 

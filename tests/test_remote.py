@@ -245,7 +245,7 @@ def test_a_batch_item_answered_past_its_room_makes_the_whole_batch_a_miss(
 
 
 class RecordingGetInto:
-    """A real Mooncake client that records what its `get_into` answered."""
+    """A real Mooncake client that records what its `get_into` and `batch_get_into` answered."""
 
     def __init__(self, client: Any) -> None:
         self._client = client
@@ -259,34 +259,56 @@ class RecordingGetInto:
         self.answers.append(rc)
         return rc
 
+    def batch_get_into(self, names: list[str], addresses: list[int], sizes: list[int]) -> list[int]:
+        rcs = [int(rc) for rc in self._client.batch_get_into(names, addresses, sizes)]
+        self.answers += rcs
+        return rcs
 
+
+@pytest.mark.parametrize("call", ["get_into", "batch_get_into"])
 def test_a_pull_while_the_object_is_put_is_a_miss_that_leaves_its_memory_clean(
-    shmcache_mooncake: MooncakeMaster,
+    shmcache_mooncake: MooncakeMaster, call: str
 ) -> None:
-    """While an object's put runs, a `get_into` of it answers -703 (REPLICA_IS_NOT_READY: the
-    master's lookup, before any transfer). That is a miss: its memory is not set aside, nothing
-    is counted. Before, it read as a failed transfer: the extent was set aside until the process
-    detached, and an error counted (a node waiting for a lease holder's value pulls again and
-    again, so it hits that window whenever the holder publishes)."""
+    """While an object's put runs, a pull of it answers -703 (REPLICA_IS_NOT_READY: the master's
+    lookup, before any transfer). That is a miss: its memory is not set aside, nothing is
+    counted. Before, it read as a failed transfer, and an error was counted: an extent pulled
+    into was set aside until the process detached, and a batch's pull buffer stayed lent for
+    good (the vLLM scheduler's batch path asks again at each step, so it hits that window
+    whenever another node publishes the key)."""
     counted: list[Counter] = []
     master = shmcache_mooncake.address
-    config = CacheConfig(remote_master=master, remote_segment_bytes=64 << 20, store_unavailable_mode="strict")
+    config = CacheConfig(
+        remote_master=master,
+        remote_segment_bytes=64 << 20,
+        remote_buffer_bytes=64 << 20,
+        store_unavailable_mode="strict",
+    )
     writer = RemoteStore(config, lambda counter, n: None)
     reader = RemoteStore(config, lambda counter, n: counted.append(counter))
     try:
-        source, memory = np.ones(32 << 20, dtype=np.uint8), np.zeros(32 << 20, dtype=np.uint8)
+        source, memory = np.ones(16 << 20, dtype=np.uint8), np.zeros(16 << 20, dtype=np.uint8)
         writer.register(int(source.ctypes.data), source.nbytes)
         reader.register(int(memory.ctypes.data), memory.nbytes)
         recording = RecordingGetInto(reader._client)
         reader._client = recording
-        name, outcomes = f"being-put-{uuid.uuid4().hex}", []
+        name, pulls = f"being-put-{uuid.uuid4().hex}", []
+
+        def pull() -> str:
+            """What one pull got: "miss", or what arrived."""
+            if call == "batch_get_into":
+                (found,), larger = reader.fetch_many([name], source.nbytes)
+                if larger or found is None:
+                    return "larger" if larger else "miss"
+                return f"{found.nbytes} ones {found.min()}"
+            fetched = reader.fetch_into(name, int(memory.ctypes.data), memory.nbytes)
+            if fetched.outcome is Transfer.QUIET:
+                return "miss"
+            return f"{fetched.nbytes} {fetched.outcome.value}"
 
         def pull_until_it_arrives() -> None:
             deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:
-                outcomes.append(reader.fetch_into(name, int(memory.ctypes.data), memory.nbytes).outcome)
-                if outcomes[-1] is not Transfer.QUIET:
-                    return
+            while time.monotonic() < deadline and (not pulls or pulls[-1] == "miss"):
+                pulls.append(pull())
 
         puller = threading.Thread(target=pull_until_it_arrives)
         puller.start()
@@ -294,9 +316,9 @@ def test_a_pull_while_the_object_is_put_is_a_miss_that_leaves_its_memory_clean(
         assert writer._client.put_from(name, int(source.ctypes.data), source.nbytes) == 0
         puller.join(60)
         assert REPLICA_IS_NOT_READY in recording.answers, "no pull ran while the put did: nothing tested"
-        assert outcomes[-1] is Transfer.DONE and set(outcomes[:-1]) == {Transfer.QUIET}
+        arrived = f"{source.nbytes} ones 1" if call == "batch_get_into" else f"{source.nbytes} done"
+        assert pulls[-1] == arrived and set(pulls[:-1]) == {"miss"}
         assert counted == [] and reader.available
-        assert memory.min() == 1
     finally:
         reader.close()
         writer.close()
