@@ -100,7 +100,8 @@ def stopped(pid: int) -> bool:
 def stop(pid: int) -> None:
     """SIGSTOP process `pid` and wait until every thread of it is stopped. `kill` returns before
     that: the signal wakes one thread to stop the group, and on a loaded machine the others may
-    answer a request meanwhile (a Mooncake master answered a probe sent after its SIGSTOP)."""
+    still answer a request meanwhile (the likely cause of a close that found a master stopped
+    after the test's SIGSTOP still answering its probe, in CI)."""
     os.kill(pid, signal.SIGSTOP)
     wait_for(lambda: stopped(pid), timeout=10.0, what=f"process {pid} to stop")
 

@@ -270,10 +270,10 @@ def test_a_pull_while_the_object_is_put_is_a_miss_that_leaves_its_memory_clean(
     shmcache_mooncake: MooncakeMaster, call: str
 ) -> None:
     """While an object's put runs, a pull of it answers -703 (REPLICA_IS_NOT_READY: the master's
-    lookup, before any transfer). That is a miss: its memory is not set aside, nothing is
-    counted. Before, it read as a failed transfer, and an error was counted: an extent pulled
-    into was set aside until the process detached, and a batch's pull buffer stayed lent for
-    good (the vLLM scheduler's batch path asks again at each step, so it hits that window
+    lookup, before any transfer). That is a miss (QUIET: nothing writes its memory), nothing is
+    counted. Before, it read as a failed transfer (TAINTED), and an error was counted: the bridge
+    set an extent pulled into aside until the process detached, and a batch's pull buffer stayed
+    lent for good (the vLLM scheduler's batch path asks again at each step, so it hits that window
     whenever another node publishes the key)."""
     counted: list[Counter] = []
     master = shmcache_mooncake.address
@@ -310,7 +310,7 @@ def test_a_pull_while_the_object_is_put_is_a_miss_that_leaves_its_memory_clean(
             while time.monotonic() < deadline and (not pulls or pulls[-1] == "miss"):
                 pulls.append(pull())
 
-        puller = threading.Thread(target=pull_until_it_arrives)
+        puller = threading.Thread(target=pull_until_it_arrives, daemon=True)
         puller.start()
         time.sleep(0.05)  # pulling: misses
         assert writer._client.put_from(name, int(source.ctypes.data), source.nbytes) == 0

@@ -38,11 +38,11 @@ __all__ = [
     "transferred",
 ]
 
-# Mooncake codes that mean "not available" (a miss), never data: see ../shared/MOONCAKE.md. -703
-# (REPLICA_IS_NOT_READY): the object's put is still running; answered by the master's lookup,
-# before any transfer (Mooncake's real_client.cpp, get_into and batch_get_into)
-NOT_AVAILABLE = {-200, -703, -704, -706, -707, -800, -900, -901}
+# the object's put is still running: answered by the master's lookup, before any transfer
+# (Mooncake's real_client.cpp: get_size, get_into, batch_get_into)
 REPLICA_IS_NOT_READY = -703
+# Mooncake codes that mean "not available" (a miss), never data: see ../shared/MOONCAKE.md
+NOT_AVAILABLE = {-200, REPLICA_IS_NOT_READY, -704, -706, -707, -800, -900, -901}
 MASTER_GONE = {-900, -901}  # RPC_FAIL, RPC timeout: an outage begins
 OBJECT_NOT_FOUND = -704
 BUFFER_TOO_SMALL = -600
